@@ -120,9 +120,13 @@ def state_nbytes(state: dict[str, torch.Tensor]) -> int:
 def filesystem_of(path: Path) -> dict[str, str]:
     info = {"fstype": "unknown", "source": "unknown", "mountpoint": "unknown"}
     try:
-        out = subprocess.run(
-            ["df", "-T", "-P", str(path)], capture_output=True, text=True, check=True
-        ).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                ["df", "-T", "-P", str(path)], capture_output=True, text=True, check=True
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         fields = out[-1].split()
         info = {"source": fields[0], "fstype": fields[1], "mountpoint": fields[-1]}
     except Exception:
@@ -277,7 +281,7 @@ class Bench:
                 self.tc = tiercheck
             except Exception as e:  # library may not exist yet
                 self.tc_error = f"import failed: {type(e).__name__}: {e}"
-                print(f"# tiercheck unavailable ({self.tc_error}); skipping part c", file=sys.stderr)
+                print(f"# tiercheck unavailable ({self.tc_error}); no part c", file=sys.stderr)
         self.tc_steady: Any = None
         self.step = 0
         self.last_step: int | None = None
@@ -375,8 +379,6 @@ class Bench:
                 self.add_extra(key.replace("stall", "durable"), t2 - t0)
         finally:
             ckpt.close()
-            del ckpt
-            gc.collect()
             shutil.rmtree(d, ignore_errors=True)
 
     def m_tc_first_cold(self, record: bool) -> None:
@@ -475,7 +477,7 @@ def paired_ratio(xs: list[float] | None, ys: list[float] | None) -> float | None
     if not xs or not ys:
         return None
     n = min(len(xs), len(ys))
-    rs = [x / y for x, y in zip(xs[:n], ys[:n]) if y > 0]
+    rs = [x / y for x, y in zip(xs[:n], ys[:n], strict=True) if y > 0]
     return statistics.median(rs) if rs else None
 
 
@@ -532,8 +534,8 @@ def build_report(b: Bench, info: dict[str, Any]) -> dict[str, Any]:
             "error": b.tc_error,
             "verify": b.verify,
         },
-        "notes": b.notes
-        + [
+        "notes": [
+            *b.notes,
             "torch.save time includes f.flush() + os.fsync() of the file (no directory fsync).",
             "plain os.write+fsync: os.write in 1 MiB blocks from an already-filled host buffer "
             "to a new file, then os.fsync of the file (no directory fsync).",
@@ -565,7 +567,7 @@ def markdown(rep: dict[str, Any]) -> str:
     lines = []
     lines.append(
         f"**save_stall** — state {nb / GIB:.3f} GiB in {c['num_tensors']} fp32 tensors "
-        f"({c['min_tensor_bytes'] // KIB} KiB – {c['max_tensor_bytes'] / MIB:.1f} MiB), "
+        f"({c['min_tensor_bytes'] // KIB} KiB - {c['max_tensor_bytes'] / MIB:.1f} MiB), "
         f"{c['repeats']} repeats"
     )
     lines.append(
