@@ -1,0 +1,39 @@
+"""tiercheck: asynchronous, tiered checkpointing for PyTorch training."""
+
+from __future__ import annotations
+
+from .api import load
+from .checkpointer import Checkpointer
+from .errors import (
+    CheckpointCorruptedError,
+    NoCheckpointError,
+    StateMismatchError,
+    StepConflictError,
+    TierError,
+    TiercheckError,
+    UnsupportedStateError,
+)
+from .events import SaveStats
+from .handle import SaveHandle, WaitTimeoutError
+from .retention import KeepAll, KeepEvery, KeepLast, RetentionPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointCorruptedError",
+    "Checkpointer",
+    "KeepAll",
+    "KeepEvery",
+    "KeepLast",
+    "NoCheckpointError",
+    "RetentionPolicy",
+    "SaveHandle",
+    "SaveStats",
+    "StateMismatchError",
+    "StepConflictError",
+    "TierError",
+    "TiercheckError",
+    "UnsupportedStateError",
+    "WaitTimeoutError",
+    "load",
+]

@@ -1,0 +1,49 @@
+"""`tiercheck.load`: read a checkpoint without a template."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import NoCheckpointError
+from .restore import restore_from
+from .tiers.local import LocalTier
+
+
+def load(
+    location: str | os.PathLike[str],
+    step: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    rank: int = 0,
+) -> dict[Any, Any]:
+    """Read one rank's view of a checkpoint as plain values, without a template.
+
+    Tensors come back as CPU tensors, numpy arrays as numpy arrays, objects that were
+    saved through `state_dict()` as their state dicts.
+
+    Args:
+        location: a tier root (a local directory).
+        step: the step to read; the newest committed one if None.
+        storage_options: fsspec options for a remote location (unused for directories).
+        rank: which rank's part to read.
+
+    Raises:
+        NoCheckpointError: nothing committed at `location` (or not `step`).
+        CheckpointCorruptedError: the step fails verification.
+
+    Example:
+        >>> sd = tiercheck.load("ckpt/run7")          # doctest: +SKIP
+        >>> model.load_state_dict(sd["model"])        # doctest: +SKIP
+    """
+    loc = os.fspath(location)
+    if "://" in loc and not loc.startswith("file://"):
+        raise NotImplementedError("remote locations are not available in this release")
+    if loc.startswith("file://"):
+        loc = loc[len("file://") :]
+    found = restore_from([LocalTier(loc)], None, step, rank, strict=False)
+    if found is None:
+        raise NoCheckpointError(f"no committed checkpoint at {loc}")
+    result = found[1]
+    assert isinstance(result, dict)
+    return result

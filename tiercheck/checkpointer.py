@@ -1,0 +1,373 @@
+"""`Checkpointer`: the facade. It validates, stages, and hands work to the pipeline."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from .checksum import ALGORITHMS
+from .errors import (
+    StepConflictError,
+    TierError,
+    TiercheckError,
+    UnsupportedStateError,
+)
+from .events import logger
+from .handle import SaveHandle
+from .pipeline import Pipeline, StagedSave
+from .planner import ShardPlan, plan_shard
+from .restore import restore_from
+from .retention import RetentionPolicy, as_policy
+from .staging import HostBufferPool, needs_pinned, stage_into
+from .state import FlatState, flatten_state
+from .tiers.local import LocalTier
+
+__all__ = ["Checkpointer"]
+
+
+class Checkpointer:
+    """Asynchronous, tiered checkpoints of a training state.
+
+    `save()` copies the state into reused host buffers and returns; a background writer
+    makes the step durable on the local tier (temp name, fsync, rename, commit marker
+    last) and applies retention. `restore()` reads the newest committed step back, in
+    place, verifying every byte against its checksum.
+
+    Args:
+        local: tier 1, a local directory (ideally NVMe). Created if missing.
+        remote: tier 2, an fsspec URL. Not available in this release: passing it raises
+            `NotImplementedError` rather than silently keeping data on one node only.
+        storage_options: fsspec options for the remote tier.
+        keep_local: retention on tier 1: an int n (keep the n newest committed steps),
+            a policy (`KeepLast(3) | KeepEvery(1000)`), or None to keep everything.
+            The newest committed step and steps being written are never deleted.
+        keep_remote: the same for tier 2; None (the default) keeps everything.
+        host_buffers: how many staging buffers (each the size of the state) may exist.
+            With 1, a `save()` issued while the previous step is still being written
+            waits for it (that wait is counted in the stall); 2 lets it proceed at the cost
+            of twice the host memory.
+        checksum: "crc32c" (default) or "xxh3_64"; both run ~12 GB/s, faster than disks.
+        direct_io: write shards with O_DIRECT where the filesystem supports it, so the
+            bytes skip the page cache and training keeps its CPU and memory bandwidth.
+        fsync: flush before commit. Off means a power loss may lose or tear steps that
+            were already reported committed (a process crash still cannot).
+        local_write_rate: cap tier-1 writes at this many bytes/s (None: no cap).
+        rank, world_size: this process's place in a multi-rank job (default 0 of 1).
+
+    Raises:
+        ValueError: no tier given, or an invalid option.
+
+    Example:
+        >>> ckpt = tiercheck.Checkpointer(local="ckpt/run7", keep_local=2)  # doctest: +SKIP
+        >>> start = (ckpt.restore(state) or -1) + 1                          # doctest: +SKIP
+        >>> for step in range(start, n_steps):                               # doctest: +SKIP
+        ...     train_step()
+        ...     if step % 100 == 0:
+        ...         ckpt.save(step, state)
+        >>> ckpt.close()                                                     # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        local: str | os.PathLike[str] | None = None,
+        remote: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        keep_local: int | RetentionPolicy | None = 2,
+        keep_remote: int | RetentionPolicy | None = None,
+        *,
+        host_buffers: int = 1,
+        checksum: str = "crc32c",
+        direct_io: bool = True,
+        fsync: bool = True,
+        local_write_rate: float | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if local is None and remote is None:
+            raise ValueError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
+        if remote is not None:
+            raise NotImplementedError(
+                "the remote (fsspec) tier is not available in this release of tiercheck; "
+                "use local=DIR for now"
+            )
+        if checksum not in ALGORITHMS:
+            raise ValueError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
+        if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+        if world_size != 1:
+            raise NotImplementedError("multi-rank checkpoints are not available in this release")
+        self._policy = as_policy(keep_local, "keep_local")
+        as_policy(keep_remote, "keep_remote")
+        assert local is not None
+        self._local = LocalTier(local, direct_io=direct_io, fsync=fsync, write_rate=local_write_rate)
+        self._tiers = [self._local]
+        self.rank = rank
+        self.world_size = world_size
+        self._pool = HostBufferPool(host_buffers)
+        self._plans: dict[object, ShardPlan] = {}
+        self._lock = threading.RLock()  # save/restore/close are serialised
+        self._latest_known: int | None = None
+        self._restored: int | None = None
+        self._closed = False
+        for path in self._local.remove_leftovers():
+            logger.info("removed leftover %s from an interrupted save or deletion", path)
+        self._pipeline = Pipeline(self._local, self._pool, self._policy, checksum)
+        self._finalizer = weakref.finalize(self, _finalize, self._pipeline, self._pool, str(local))
+        atexit.register(self._finalizer)
+
+    # -- context manager -------------------------------------------------------------
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # don't mask the user's exception with a checkpoint error
+            try:
+                self.close()
+            except TiercheckError as err:
+                logger.error("tiercheck: error while closing after an exception: %s", err)
+
+    # -- queries ---------------------------------------------------------------------
+
+    def _tier_list(self, tier: str | None) -> list[LocalTier]:
+        if tier is None:
+            return self._tiers
+        matches = [t for t in self._tiers if t.name == tier]
+        if not matches:
+            raise ValueError(f"tier must be one of {[t.name for t in self._tiers]} or None, got {tier!r}")
+        return matches
+
+    def steps(self, tier: str | None = None) -> list[int]:
+        """Committed steps, ascending, on `tier` ("local"/"remote") or on any tier."""
+        found: set[int] = set()
+        for t in self._tier_list(tier):
+            found.update(t.committed_steps())
+        return sorted(found)
+
+    def latest_step(self, tier: str | None = None) -> int | None:
+        """The newest committed step on `tier` (or on any tier), or None."""
+        steps = self.steps(tier)
+        return steps[-1] if steps else None
+
+    # -- save ------------------------------------------------------------------------
+
+    def prepare(self, state: Mapping[Any, Any]) -> None:
+        """Allocate (and pre-fault) the host buffer for `state` ahead of the first `save()`.
+
+        The first save otherwise pays for allocating and touching a buffer as large as the
+        state; call this at start-up, e.g. right after building the model and optimizer.
+        """
+        flat = flatten_state(state)
+        plan = self._plan_for(flat)
+        buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
+        self._pool.release(buf)
+
+    def _plan_for(self, flat: FlatState) -> ShardPlan:
+        sig = flat.signature
+        plan = self._plans.get(sig)
+        if plan is None:
+            self._plans.clear()  # the structure changed: keep one plan, not a growing cache
+            plan = self._plans[sig] = plan_shard(flat.leaves)
+        return plan
+
+    def save(self, step: int, state: Mapping[Any, Any]) -> SaveHandle:
+        """Snapshot `state` as `step` and return once it is copied into host memory.
+
+        The caller may modify every tensor in `state` as soon as this returns; the saved
+        step is the state as it was during the call. A step must be newer than every step
+        saved or committed before, except right after `restore()`: saving a step newer
+        than the restored one starts a new branch, and the committed steps after the
+        restored one (the abandoned branch) are deleted first, so that a later restore
+        can never pick them up.
+
+        Raises:
+            UnsupportedStateError: a value that cannot be stored; names its key path.
+            StepConflictError: `step` is not newer than the existing or pending steps.
+            TierError: an earlier background save failed (raised once).
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            if type(step) is not int or step < 0:
+                raise UnsupportedStateError(f"step must be a non-negative int, got {step!r}")
+            self._raise_background_errors()
+            flat = flatten_state(state)
+            self._claim_step(step)
+            plan = self._plan_for(flat)
+            handle = SaveHandle(step, [t.name for t in self._tiers], self._pipeline.error_seen)
+            stats = handle.stats
+            allocations = self._pool.allocations
+            t1 = time.perf_counter()
+            buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
+            t2 = time.perf_counter()
+            try:
+                stage_into(buf, flat, plan)
+            except BaseException:
+                self._pool.release(buf)
+                raise
+            t3 = time.perf_counter()
+            stats.bytes = plan.total_bytes
+            stats.allocated = self._pool.allocations != allocations
+            stats.buffer_wait_s = t2 - t1
+            stats.stage_s = t3 - t2
+            stats.stall_s = t3 - t0
+            self._latest_known = step
+            self._pipeline.submit(
+                StagedSave(
+                    step=step,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    tree=flat.tree,
+                    leaves=flat.leaves,
+                    plan=plan,
+                    buffer=buf,
+                    handle=handle,
+                    returned_at=time.monotonic(),
+                )
+            )
+            return handle
+
+    def _claim_step(self, step: int) -> None:
+        """Check `step` against existing steps; start a new branch after a restore."""
+        if self._latest_known is not None and step > self._latest_known:
+            return
+        in_flight = self._pipeline.in_flight()
+        if in_flight and step <= in_flight[-1]:
+            raise StepConflictError(
+                f"step {step} is not newer than step {in_flight[-1]}, which is still being saved"
+            )
+        committed = self.steps()
+        if self._latest_known is None and committed:
+            self._latest_known = committed[-1]
+        if not committed or step > committed[-1]:
+            return
+        restored = self._restored
+        if restored is None or step <= restored:
+            clash = step if step in committed else committed[-1]
+            raise StepConflictError(
+                f"cannot save step {step}: step {clash} is already committed on tier "
+                f"'local' ({self._local.path_of(clash)}); steps must increase. To roll back, "
+                f"restore(state, step=K) with K < {step} first: saving after that starts a new "
+                f"branch and discards the steps after K"
+            )
+        stale = [s for s in committed if s > restored]
+        self._pipeline.wait_idle()
+        for t in self._tiers:
+            for s in reversed(stale):
+                if s in t.committed_steps():
+                    t.delete_step(s)
+        warnings.warn(
+            f"tiercheck: step {step} starts a new branch after restored step {restored}; "
+            f"deleted the abandoned steps {stale}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._latest_known = restored
+
+    # -- sync points -----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed")
+
+    def _raise_background_errors(self) -> None:
+        errors = self._pipeline.take_errors()
+        if not errors:
+            return
+        first = errors[0]
+        if len(errors) > 1:
+            steps = ", ".join(str(e.step) for e in errors)
+            raise TierError(
+                f"{len(errors)} background saves failed (steps {steps}); first: {first}",
+                step=first.step,
+                tier=first.tier,
+                path=first.path,
+            ) from first
+        raise first
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending save is durable on every tier and retention ran.
+
+        Raises:
+            TierError: a background save failed since the last sync point (raised once).
+            WaitTimeoutError: `timeout` seconds passed first.
+        """
+        from .handle import WaitTimeoutError
+
+        if not self._pipeline.wait_idle(timeout):
+            raise WaitTimeoutError(f"pending saves {self._pipeline.in_flight()} not durable after {timeout}s")
+        self._raise_background_errors()
+
+    def close(self) -> None:
+        """Drain pending saves, stop the writer, free the host buffers. Idempotent.
+
+        Raises:
+            TierError: a background save failed since the last sync point (raised once).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._finalizer.detach()
+            atexit.unregister(self._finalizer)
+            self._pipeline.wait_idle()
+            self._pipeline.close()
+            self._pool.clear()
+            self._raise_background_errors()
+
+    # -- restore ---------------------------------------------------------------------
+
+    def restore(self, state: MutableMapping[Any, Any], step: int | None = None) -> int | None:
+        """Restore `state` in place from the newest committed step (or exactly `step`).
+
+        Tensors are overwritten in place when the template has a tensor of the same shape
+        and dtype, stateful objects get `load_state_dict`, and plain values are written into
+        the template mapping. The template may name a subset of the saved keys.
+        Pending saves are waited for first.
+
+        Returns:
+            The restored step, or None when no checkpoint exists on any tier.
+
+        Raises:
+            NoCheckpointError: `step` was given and is not committed anywhere.
+            CheckpointCorruptedError: `step` was given and fails verification, or every
+                committed step does (without `step`, a damaged step is skipped with a
+                warning naming it and the next older one is tried).
+            StateMismatchError: the template does not fit the checkpoint (names the key path).
+        """
+        if not isinstance(state, MutableMapping):
+            raise TypeError(f"restore() needs a mutable mapping as template, got {type(state).__name__}")
+        if step is not None and (type(step) is not int or step < 0):
+            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+        with self._lock:
+            self._check_open()
+            self.wait()
+            found = restore_from(self._tiers, state, step, self.rank)
+            if found is None:
+                return None
+            restored = found[0]
+            self._restored = restored
+            self._latest_known = None  # re-derive from disk at the next save
+            return restored
+
+
+def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str) -> None:
+    pending = pipeline.in_flight()
+    if pending:
+        warnings.warn(
+            f"tiercheck: Checkpointer for {where} was not closed; draining pending steps "
+            f"{pending}. Call close() or use it as a context manager.",
+            ResourceWarning,
+            stacklevel=2,
+        )
+    pipeline.wait_idle(timeout=600)
+    pipeline.close(timeout=10)
+    pool.clear()

@@ -1,0 +1,60 @@
+"""The error types tiercheck raises. Callers match types, never message text."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointCorruptedError",
+    "NoCheckpointError",
+    "StateMismatchError",
+    "StepConflictError",
+    "TierError",
+    "TiercheckError",
+    "UnsupportedStateError",
+]
+
+
+class TiercheckError(Exception):
+    """Base of every error tiercheck raises."""
+
+
+class NoCheckpointError(TiercheckError, FileNotFoundError):
+    """No committed checkpoint (or not the requested step) exists on any tier."""
+
+
+class CheckpointCorruptedError(TiercheckError, ValueError):
+    """A checkpoint's bytes or metadata failed verification (size, checksum, schema)."""
+
+
+class UnsupportedStateError(TiercheckError, TypeError):
+    """`save()` was given a value tiercheck cannot store; the message names the key path."""
+
+
+class StateMismatchError(TiercheckError, ValueError):
+    """The restore template does not match the checkpoint (shape, dtype, structure, key)."""
+
+
+class StepConflictError(TiercheckError, FileExistsError):
+    """`save()` was asked for a step that is not newer than existing or pending steps."""
+
+
+class TierError(TiercheckError, OSError):
+    """A tier failed in the background (disk full, permission, store down).
+
+    Attributes:
+        step: the step being written, or None for a tier-wide failure.
+        tier: ``"local"`` or ``"remote"``.
+        path: the file or directory involved.
+    """
+
+    def __init__(self, message: str, *, step: int | None, tier: str, path: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.tier = tier
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, ...]:  # pragma: no cover - pickling support for logs
+        return (_rebuild_tier_error, (str(self), self.step, self.tier, self.path))
+
+
+def _rebuild_tier_error(message: str, step: int | None, tier: str, path: str) -> TierError:
+    return TierError(message, step=step, tier=tier, path=path)

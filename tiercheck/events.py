@@ -1,0 +1,42 @@
+"""What each save costs: stall, staging and tier durations and bytes, logged as JSON lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger("tiercheck")
+event_logger = logging.getLogger("tiercheck.events")
+
+
+@dataclass(slots=True)
+class SaveStats:
+    """Timings of one save, in seconds, filled in as the save progresses.
+
+    Attributes:
+        step: the step saved.
+        bytes: bytes of tensor/array data staged and written (aliases counted once).
+        stall_s: how long `save()` blocked the caller (validation, planning, waiting for a
+            free host buffer, and the copy).
+        buffer_wait_s: the part of the stall spent waiting for a host buffer to free up.
+        stage_s: the part of the stall spent copying into the host buffer.
+        allocated: whether this save had to allocate (or grow) a host buffer.
+        tier_s: per tier, seconds from `save()` returning until durable there.
+    """
+
+    step: int
+    bytes: int = 0
+    stall_s: float = 0.0
+    buffer_wait_s: float = 0.0
+    stage_s: float = 0.0
+    allocated: bool = False
+    tier_s: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"event": "save", **asdict(self)}, sort_keys=True)
+
+
+def emit(stats: SaveStats) -> None:
+    if event_logger.isEnabledFor(logging.INFO):
+        event_logger.info(stats.to_json())

@@ -1,0 +1,73 @@
+"""`SaveHandle`: the caller's view of one save as it becomes durable tier by tier."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from .errors import TierError, TiercheckError
+from .events import SaveStats
+
+__all__ = ["SaveHandle", "WaitTimeoutError"]
+
+
+class WaitTimeoutError(TiercheckError, TimeoutError):
+    """`wait(timeout=...)` ran out before the save was durable."""
+
+
+class SaveHandle:
+    """Returned by `Checkpointer.save`; tracks one step on every configured tier.
+
+    Example:
+        >>> h = ckpt.save(100, state)       # doctest: +SKIP
+        >>> h.wait("local")                  # durable on tier 1  # doctest: +SKIP
+        >>> h.done()                         # durable on every tier  # doctest: +SKIP
+    """
+
+    def __init__(self, step: int, tiers: Sequence[str], on_error_seen: Callable[[TierError], None]) -> None:
+        self.step = step
+        self.tiers = tuple(tiers)
+        self.stats = SaveStats(step=step)
+        self._events = {t: threading.Event() for t in self.tiers}
+        self._errors: dict[str, TierError] = {}
+        self._on_error_seen = on_error_seen
+
+    def __repr__(self) -> str:
+        state = {t: ("failed" if t in self._errors else "done" if e.is_set() else "pending") for t, e in self._events.items()}
+        return f"SaveHandle(step={self.step}, {state})"
+
+    def _tiers(self, tier: str | None) -> tuple[str, ...]:
+        if tier is None:
+            return self.tiers
+        if tier not in self._events:
+            raise ValueError(f"tier must be one of {self.tiers} or None, got {tier!r}")
+        return (tier,)
+
+    def done(self, tier: str | None = None) -> bool:
+        """True once the step is durable (or failed) on `tier` (every tier if None)."""
+        return all(self._events[t].is_set() for t in self._tiers(tier))
+
+    def wait(self, tier: str | None = None, timeout: float | None = None) -> None:
+        """Block until the step is durable on `tier` ("local", "remote", or all if None).
+
+        Raises:
+            TierError: the step failed on that tier (raised here, and not again later).
+            WaitTimeoutError: `timeout` seconds passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._tiers(tier):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._events[t].wait(left):
+                raise WaitTimeoutError(f"step {self.step} not durable on tier {t!r} after {timeout}s")
+            err = self._errors.get(t)
+            if err is not None:
+                self._on_error_seen(err)
+                raise err
+
+    # -- called by the pipeline --------------------------------------------------
+
+    def _finish(self, tier: str, error: TierError | None = None) -> None:
+        if error is not None:
+            self._errors[tier] = error
+        self._events[tier].set()

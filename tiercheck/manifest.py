@@ -1,0 +1,328 @@
+"""The manifest and commit-marker schema: build, serialise, and strictly validate (pure).
+
+Every parse error, whatever its cause, surfaces as `CheckpointCorruptedError`: a
+manifest is untrusted input. Nothing here executes code or allocates more than the
+bytes it was given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import layout
+from .dtypes import itemsize
+from .errors import CheckpointCorruptedError
+from .state import JsonNode, Leaf
+
+FORMAT = "tiercheck"
+VERSION = 1
+MAX_DEPTH = 512
+MAX_NDIM = 64
+_NODE_TYPES = frozenset(
+    {"dict", "list", "tuple", "none", "bool", "int", "float", "str", "tensor", "ndarray",
+     "npscalar", "bytes", "stateful"}
+)  # fmt: skip
+_LEAF_NODE_TYPES = frozenset({"tensor", "ndarray", "npscalar", "bytes"})
+_MAX_INT_DIGITS = 4300  # Python's default int-from-str limit
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One leaf's bytes in a shard file."""
+
+    path: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    checksum: str
+    codec: str = "raw"
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    step: int
+    rank: int
+    world_size: int
+    checksum_algorithm: str
+    files: tuple[tuple[str, int], ...]  # (shard file name, exact size in bytes)
+    entries: tuple[Entry, ...]
+    tree: JsonNode
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestRef:
+    """What the commit marker records about one rank's manifest."""
+
+    file: str
+    length: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    step: int
+    world_size: int
+    checksum_algorithm: str
+    manifests: tuple[ManifestRef, ...]
+
+
+def build_entries(
+    leaves: Sequence[Leaf], offsets: Sequence[int], checksums: Sequence[str], file: str
+) -> tuple[Entry, ...]:
+    return tuple(
+        Entry(lf.path, lf.kind, lf.dtype, lf.shape, file, off, lf.nbytes, ck)
+        for lf, off, ck in zip(leaves, offsets, checksums, strict=True)
+    )
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "manifest",
+        "step": m.step,
+        "rank": m.rank,
+        "world_size": m.world_size,
+        "checksum_algorithm": m.checksum_algorithm,
+        "files": [{"name": n, "length": size} for n, size in m.files],
+        "entries": [
+            {
+                "path": e.path,
+                "kind": e.kind,
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "file": e.file,
+                "offset": e.offset,
+                "length": e.length,
+                "checksum": e.checksum,
+                "codec": e.codec,
+            }
+            for e in m.entries
+        ],
+        "tree": m.tree,
+    }
+    return _dump(doc)
+
+
+def encode_marker(m: Marker) -> bytes:
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "commit",
+        "step": m.step,
+        "world_size": m.world_size,
+        "checksum_algorithm": m.checksum_algorithm,
+        "manifests": [
+            {"name": r.file, "length": r.length, "checksum": r.checksum} for r in m.manifests
+        ],
+    }
+    return _dump(doc)
+
+
+def _dump(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _fail(where: str, what: str) -> CheckpointCorruptedError:
+    return CheckpointCorruptedError(f"{where}: {what}")
+
+
+def _load_json(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
+        raise _fail(where, f"not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise _fail(where, "top level is not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+    if doc.get("version") != VERSION:
+        raise _fail(where, f"unsupported format version {doc.get('version')!r} (reader: {VERSION})")
+    return doc
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _int(doc: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    v = doc.get(key)
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fail(where, f"field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _str(doc: dict[str, Any], key: str, where: str) -> str:
+    v = doc.get(key)
+    if type(v) is not str:
+        raise _fail(where, f"field {key!r} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _list(doc: dict[str, Any], key: str, where: str) -> list[Any]:
+    v = doc.get(key)
+    if type(v) is not list:
+        raise _fail(where, f"field {key!r} must be a list")
+    return v
+
+
+def _checksum_text(v: str, where: str) -> str:
+    if not (1 <= len(v) <= 64) or any(c not in "0123456789abcdef" for c in v):
+        raise _fail(where, f"checksum {v!r} is not lowercase hex")
+    return v
+
+
+def decode_marker(data: bytes, where: str) -> Marker:
+    doc = _load_json(data, where)
+    if doc.get("kind") != "commit":
+        raise _fail(where, "not a commit marker")
+    step = _int(doc, "step", where)
+    world = _int(doc, "world_size", where, 1, 1 << 20)
+    algo = _str(doc, "checksum_algorithm", where)
+    refs = []
+    for i, r in enumerate(_list(doc, "manifests", where)):
+        w = f"{where} manifests[{i}]"
+        if not isinstance(r, dict):
+            raise _fail(w, "not an object")
+        name = _str(r, "name", w)
+        if name != layout.manifest_name(i, world):
+            raise _fail(w, f"unexpected manifest name {name!r}")
+        refs.append(ManifestRef(name, _int(r, "length", w, 0, 1 << 40), _checksum_text(_str(r, "checksum", w), w)))
+    if len(refs) != world:
+        raise _fail(where, f"lists {len(refs)} manifests for world size {world}")
+    return Marker(step, world, algo, tuple(refs))
+
+
+def decode_manifest(data: bytes, where: str) -> Manifest:
+    doc = _load_json(data, where)
+    if doc.get("kind") != "manifest":
+        raise _fail(where, "not a manifest")
+    step = _int(doc, "step", where)
+    world = _int(doc, "world_size", where, 1, 1 << 20)
+    rank = _int(doc, "rank", where, 0, world - 1)
+    algo = _str(doc, "checksum_algorithm", where)
+    files: dict[str, int] = {}
+    for i, f in enumerate(_list(doc, "files", where)):
+        w = f"{where} files[{i}]"
+        if not isinstance(f, dict):
+            raise _fail(w, "not an object")
+        name = _str(f, "name", w)
+        if not layout.is_safe_file_name(name):
+            raise _fail(w, f"file name {name!r} is not a shard name of this format")
+        files[name] = _int(f, "length", w)
+    entries = tuple(_entry(e, i, files, where) for i, e in enumerate(_list(doc, "entries", where)))
+    tree = doc.get("tree")
+    _check_tree(tree, entries, where, 0)
+    return Manifest(step, rank, world, algo, tuple(files.items()), entries, tree)  # type: ignore[arg-type]
+
+
+def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:
+    w = f"{where} entries[{i}]"
+    if not isinstance(e, dict):
+        raise _fail(w, "not an object")
+    kind = _str(e, "kind", w)
+    dtype = _str(e, "dtype", w)
+    size = itemsize(kind, dtype)
+    if size is None:
+        raise _fail(w, f"unknown kind/dtype {kind!r}/{dtype!r}")
+    shape_v = e.get("shape")
+    if type(shape_v) is not list or len(shape_v) > MAX_NDIM:
+        raise _fail(w, "shape must be a list of at most 64 non-negative integers")
+    for d in shape_v:
+        if type(d) is not int or d < 0:
+            raise _fail(w, f"bad dimension {d!r} in shape")
+    shape = tuple(shape_v)
+    file = _str(e, "file", w)
+    if file not in files:
+        raise _fail(w, f"refers to file {file!r} not listed in 'files'")
+    offset = _int(e, "offset", w)
+    length = _int(e, "length", w)
+    if length != math.prod(shape) * size:
+        raise _fail(w, f"length {length} does not match shape {shape} of {dtype}")
+    if offset + length > files[file]:
+        raise _fail(w, f"bytes [{offset}, {offset + length}) lie outside {file} ({files[file]} bytes)")
+    if kind == "npscalar" and shape:
+        raise _fail(w, "a numpy scalar must have shape []")
+    codec = _str(e, "codec", w)
+    if codec != "raw":
+        raise _fail(w, f"unsupported codec {codec!r}")
+    path = _str(e, "path", w)
+    return Entry(path, kind, dtype, shape, file, offset, length, _checksum_text(_str(e, "checksum", w), w), codec)
+
+
+def _check_tree(node: object, entries: tuple[Entry, ...], where: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise _fail(where, "tree nesting is too deep")
+    if not isinstance(node, dict) or node.get("t") not in _NODE_TYPES:
+        raise _fail(where, f"malformed tree node {str(node)[:80]!r}")
+    t = node["t"]
+    if t in _LEAF_NODE_TYPES:
+        e = node.get("e")
+        if type(e) is not int or not 0 <= e < len(entries) or entries[e].kind != t:
+            raise _fail(where, f"tree refers to a bad entry {e!r}")
+    elif t == "bool":
+        if type(node.get("v")) is not bool:
+            raise _fail(where, "bool node without a bool value")
+    elif t in ("int", "float", "str"):
+        v = node.get("v")
+        if type(v) is not str:
+            raise _fail(where, f"{t} node without a string value")
+        try:
+            if t == "int":
+                if len(v) > _MAX_INT_DIGITS:
+                    raise ValueError("too many digits")
+                int(v)
+            elif t == "float":
+                float.fromhex(v)
+        except (ValueError, OverflowError):
+            raise _fail(where, f"bad {t} literal {v[:40]!r}") from None
+    elif t in ("list", "tuple"):
+        items = node.get("v")
+        if type(items) is not list:
+            raise _fail(where, f"{t} node without items")
+        for item in items:
+            _check_tree(item, entries, where, depth + 1)
+    elif t == "dict":
+        keys, values = node.get("k"), node.get("v")
+        if type(keys) is not list or type(values) is not list or len(keys) != len(values):
+            raise _fail(where, "dict node with mismatched keys and values")
+        for k in keys:
+            if (
+                type(k) is not list
+                or len(k) != 2
+                or k[0] not in ("s", "i")
+                or type(k[1]) is not str
+                or (k[0] == "i" and not _is_int_text(k[1]))
+            ):
+                raise _fail(where, f"bad dict key {str(k)[:40]!r}")
+        for v in values:
+            _check_tree(v, entries, where, depth + 1)
+    elif t == "stateful":
+        inner = node.get("v")
+        if not isinstance(inner, dict) or inner.get("t") != "dict":
+            raise _fail(where, "stateful node without a dict")
+        _check_tree(inner, entries, where, depth + 1)
+
+
+def _is_int_text(v: str) -> bool:
+    if not 0 < len(v) <= 32:
+        return False
+    try:
+        int(v)
+    except ValueError:
+        return False
+    return True
+
+
+def decode_key(k: list[str]) -> str | int:
+    return int(k[1]) if k[0] == "i" else k[1]

@@ -1,0 +1,331 @@
+"""The read path: find committed steps, verify them, and bind them into a template.
+
+Reading a step is two-phased: first every byte is read and checked against its
+checksum (tensors land directly in the template's tensors where they can), and only
+when the whole step verified are plain values written and `load_state_dict` called.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import layout
+from .checksum import ALGORITHMS, checksum_function
+from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
+from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
+from .manifest import Entry, Manifest, decode_key, decode_manifest, decode_marker
+from .state import ROOT, JsonNode, decode_float, is_stateful, key_path
+from .tiers.base import ReadableFile, Tier
+
+MAX_MARKER_BYTES = 1 << 20
+MAX_MANIFEST_BYTES = 1 << 30
+
+Producer = Callable[[], object]
+_MISSING = object()
+
+
+@dataclass(slots=True)
+class _Read:
+    entry: Entry
+    dest: memoryview
+
+
+class _Binder:
+    """Matches a manifest tree against a template and plans the reads."""
+
+    def __init__(self, manifest: Manifest, step: int) -> None:
+        self.entries = manifest.entries
+        self.step = step
+        self.reads: list[_Read] = []
+
+    def bind(self, tmpl: object, node: JsonNode, path: str, strict: bool) -> Producer:
+        t = node["t"]
+        if t in ("tensor", "ndarray", "npscalar", "bytes"):
+            return self._leaf(tmpl, self.entries[node["e"]], path, strict)
+        if t == "dict":
+            return self._dict(tmpl, node, path, strict)
+        if t in ("list", "tuple"):
+            return self._sequence(tmpl, node, path, strict)
+        if t == "stateful":
+            return self._stateful(tmpl, node["v"], path, strict)
+        value = _plain(node)
+        if strict and _is_structured(tmpl):
+            raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a {t}")
+        return lambda: value
+
+    def _mismatch(self, path: str, what: str) -> StateMismatchError:
+        return StateMismatchError(f"{path}: {what} (checkpoint step {self.step})")
+
+    def _leaf(self, tmpl: object, e: Entry, path: str, strict: bool) -> Producer:
+        if e.kind == "tensor":
+            dtype = TORCH_DTYPES[e.dtype]
+            if isinstance(tmpl, torch.Tensor):
+                ok = torch_dtype_name(tmpl.dtype) == e.dtype and tuple(tmpl.shape) == e.shape
+                if ok:
+                    return self._into_tensor(tmpl, e)
+                if strict:
+                    raise self._mismatch(
+                        path,
+                        f"template tensor is {tmpl.dtype} {tuple(tmpl.shape)}, "
+                        f"checkpoint has {dtype} {e.shape}",
+                    )
+            elif strict and _is_structured(tmpl):
+                raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a tensor")
+            fresh = torch.empty(e.shape, dtype=dtype)
+            self._plan_read(e, fresh)
+            return lambda: fresh
+        if e.kind == "bytes":
+            raw = bytearray(e.length)
+            self.reads.append(_Read(e, memoryview(raw)))
+            return lambda: bytes(raw)
+        npd = numpy_dtype_from_name(e.dtype)
+        assert npd is not None
+        if isinstance(tmpl, np.ndarray) and e.kind == "ndarray":
+            if tmpl.dtype == npd and tmpl.shape == e.shape and tmpl.flags.c_contiguous and tmpl.flags.writeable:
+                self.reads.append(_Read(e, memoryview(tmpl.reshape(-1).view(np.uint8))))
+                return lambda: tmpl
+            if strict:
+                raise self._mismatch(
+                    path, f"template array is {tmpl.dtype} {tmpl.shape}, checkpoint has {npd} {e.shape}"
+                )
+        elif strict and _is_structured(tmpl):
+            raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint an array")
+        arr: np.ndarray[Any, Any] = np.empty(e.shape, dtype=npd)
+        self.reads.append(_Read(e, memoryview(arr.reshape(-1).view(np.uint8))))
+        if e.kind == "npscalar":
+            return lambda: arr[()]
+        return lambda: arr
+
+    def _into_tensor(self, tmpl: torch.Tensor, e: Entry) -> Producer:
+        target = tmpl.detach()
+        if target.device.type == "cpu" and target.is_contiguous() and not target.is_conj() and not target.is_neg():
+            self._plan_read(e, target)
+            return lambda: tmpl
+        staging = torch.empty(e.shape, dtype=target.dtype)
+        self._plan_read(e, staging)
+
+        def copy_back() -> object:
+            target.copy_(staging)
+            return tmpl
+
+        return copy_back
+
+    def _plan_read(self, e: Entry, t: torch.Tensor) -> None:
+        if e.length:
+            flat = t.reshape(-1).view(torch.uint8)
+            self.reads.append(_Read(e, memoryview(flat.numpy())))  # type: ignore[arg-type]
+        else:
+            self.reads.append(_Read(e, memoryview(b"")))
+
+    def _dict(self, tmpl: object, node: JsonNode, path: str, strict: bool) -> Producer:
+        keys = [decode_key(k) for k in node["k"]]
+        children = dict(zip(keys, node["v"], strict=True))
+        if strict and isinstance(tmpl, Mapping) and not is_stateful(tmpl):
+            producers: list[tuple[object, Producer]] = []
+            for k in tmpl:
+                child = children.get(k, _MISSING)
+                if child is _MISSING:
+                    raise self._mismatch(key_path(path, k), "this key of the template is not in the checkpoint")
+                producers.append((k, self.bind(tmpl[k], child, key_path(path, k), True)))  # type: ignore[arg-type]
+
+            def fill() -> object:
+                for k, p in producers:
+                    v = p()
+                    if isinstance(tmpl, MutableMapping):
+                        if tmpl[k] is not v:
+                            tmpl[k] = v
+                    elif tmpl[k] is not v:  # type: ignore[index]
+                        raise self._mismatch(key_path(path, k), "read-only mapping in the template")
+                return tmpl
+
+            return fill
+        if strict and tmpl is not None and _is_structured(tmpl):
+            raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a dict")
+        hint = tmpl if isinstance(tmpl, Mapping) else {}
+        built = [(k, self.bind(hint.get(k), child, key_path(path, k), False)) for k, child in children.items()]
+        return lambda: {k: p() for k, p in built}
+
+    def _sequence(self, tmpl: object, node: JsonNode, path: str, strict: bool) -> Producer:
+        items: list[JsonNode] = node["v"]
+        kind = list if node["t"] == "list" else tuple
+        if isinstance(tmpl, (list, tuple)) and len(tmpl) == len(items):
+            producers = [self.bind(tv, cv, key_path(path, i), strict) for i, (tv, cv) in enumerate(zip(tmpl, items))]
+            if isinstance(tmpl, list) and kind is list:
+
+                def fill() -> object:
+                    for i, p in enumerate(producers):
+                        v = p()
+                        if tmpl[i] is not v:
+                            tmpl[i] = v
+                    return tmpl
+
+                return fill
+            return lambda: kind(p() for p in producers)
+        if strict and _is_structured(tmpl):
+            got = f"{type(tmpl).__name__} of length {len(tmpl)}" if isinstance(tmpl, (list, tuple)) else type(tmpl).__name__
+            raise self._mismatch(path, f"the template holds a {got}, the checkpoint a {node['t']} of length {len(items)}")
+        producers = [self.bind(None, cv, key_path(path, i), False) for i, cv in enumerate(items)]
+        return lambda: kind(p() for p in producers)
+
+    def _stateful(self, tmpl: object, inner: JsonNode, path: str, strict: bool) -> Producer:
+        if not is_stateful(tmpl):
+            return self._dict(tmpl, inner, path, strict)
+        try:
+            hint = tmpl.state_dict()  # type: ignore[attr-defined]
+        except Exception as exc:
+            raise self._mismatch(path, f"{type(tmpl).__name__}.state_dict() raised {exc!r}") from exc
+        produce = self._dict(hint, inner, path, False)
+
+        def load() -> object:
+            sd = produce()
+            try:
+                tmpl.load_state_dict(sd)  # type: ignore[attr-defined]
+            except Exception as exc:
+                raise self._mismatch(path, f"{type(tmpl).__name__}.load_state_dict() rejected the checkpoint: {exc}") from exc
+            return tmpl
+
+        return load
+
+
+def _is_structured(tmpl: object) -> bool:
+    """Template values that must match the checkpoint's kind (others are just replaced)."""
+    return isinstance(tmpl, (torch.Tensor, np.ndarray, Mapping, list, tuple)) or is_stateful(tmpl)
+
+
+def _plain(node: JsonNode) -> object:
+    t = node["t"]
+    if t == "none":
+        return None
+    if t == "bool":
+        return node["v"]
+    if t == "int":
+        return int(node["v"])
+    if t == "float":
+        return decode_float(node["v"])
+    return node["v"]  # str
+
+
+# ------------------------------------------------------------------- reading a step
+
+
+def read_manifest(tier: Tier, step: int, rank: int) -> Manifest:
+    """Read and verify the commit marker and one rank's manifest of `step`."""
+    where = tier.path_of(step, layout.COMMIT_NAME)
+    try:
+        marker = decode_marker(tier.read_bytes(step, layout.COMMIT_NAME, MAX_MARKER_BYTES), where)
+    except FileNotFoundError:
+        raise NoCheckpointError(f"step {step} is not committed on tier {tier.name!r} ({where})") from None
+    if marker.step != step:
+        raise CheckpointCorruptedError(f"{where}: marker is for step {marker.step}, directory for step {step}")
+    if marker.checksum_algorithm not in ALGORITHMS:
+        raise CheckpointCorruptedError(f"{where}: unknown checksum algorithm {marker.checksum_algorithm!r}")
+    if not 0 <= rank < marker.world_size:
+        raise NoCheckpointError(f"step {step} on tier {tier.name!r} has {marker.world_size} ranks, no rank {rank}")
+    ref = marker.manifests[rank]
+    mwhere = tier.path_of(step, ref.file)
+    if ref.length > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptedError(f"{mwhere}: manifest claims {ref.length} bytes")
+    try:
+        data = tier.read_bytes(step, ref.file, ref.length)
+    except FileNotFoundError:
+        raise CheckpointCorruptedError(f"{mwhere}: manifest is missing from a committed step") from None
+    checksum = checksum_function(marker.checksum_algorithm)
+    if len(data) != ref.length or checksum(data) != ref.checksum:
+        raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
+    manifest = decode_manifest(data, mwhere)
+    if (manifest.step, manifest.rank, manifest.world_size) != (step, rank, marker.world_size):
+        raise CheckpointCorruptedError(f"{mwhere}: manifest names step/rank/world {manifest.step}/{manifest.rank}/{manifest.world_size}")
+    if manifest.checksum_algorithm not in ALGORITHMS:
+        raise CheckpointCorruptedError(f"{mwhere}: unknown checksum algorithm {manifest.checksum_algorithm!r}")
+    return manifest
+
+
+def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) -> object:
+    """Read `step` from `tier` into `template` (or fresh values if None); verify every byte.
+
+    Raises:
+        CheckpointCorruptedError: missing, short or altered bytes; the template's tensors
+            may then hold partial data, its plain values and stateful objects are untouched.
+        StateMismatchError: the template does not fit the checkpoint; nothing was read.
+    """
+    manifest = read_manifest(tier, step, rank)
+    binder = _Binder(manifest, step)
+    produce = binder.bind(template, manifest.tree, ROOT, strict)
+    checksum = checksum_function(manifest.checksum_algorithm)
+    files: dict[str, ReadableFile] = {}
+    try:
+        for name, size in manifest.files:
+            path = tier.path_of(step, name)
+            try:
+                f = tier.open_file(step, name)
+            except FileNotFoundError:
+                raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
+            files[name] = f
+            if f.size != size:
+                raise CheckpointCorruptedError(f"{path}: shard file is {f.size} bytes, manifest says {size}")
+        for r in sorted(binder.reads, key=lambda r: (r.entry.file, r.entry.offset)):
+            e = r.entry
+            try:
+                files[e.file].read_into(e.offset, r.dest)
+            except EOFError as exc:
+                raise CheckpointCorruptedError(str(exc)) from None
+            if checksum(r.dest) != e.checksum:
+                raise CheckpointCorruptedError(
+                    f"{tier.path_of(step, e.file)}: checksum mismatch for {e.path} "
+                    f"(bytes {e.offset}..{e.offset + e.length})"
+                )
+    finally:
+        for f in files.values():
+            f.close()
+    return produce()
+
+
+def restore_from(
+    tiers: Sequence[Tier],
+    template: object,
+    step: int | None,
+    rank: int,
+    strict: bool = True,
+) -> tuple[int, object] | None:
+    """Restore the newest verifiable step (or exactly `step`) from the fastest tier having it.
+
+    Returns None when no tier has any committed step.
+    """
+    holders: dict[int, list[Tier]] = {}
+    for tier in tiers:
+        for s in tier.committed_steps():
+            holders.setdefault(s, []).append(tier)
+    if step is not None:
+        if step not in holders:
+            where = ", ".join(f"{t.name}={t.location}" for t in tiers)
+            raise NoCheckpointError(f"step {step} is not committed on any tier ({where}); committed: {sorted(holders)}")
+        candidates = [step]
+    else:
+        candidates = sorted(holders, reverse=True)
+    if not candidates:
+        return None
+    failures: list[str] = []
+    for s in candidates:
+        for tier in holders[s]:
+            try:
+                return s, read_step(tier, s, rank, template, strict)
+            except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
+                failures.append(f"step {s} on tier {tier.name!r}: {exc}")
+                if step is None:
+                    warnings.warn(
+                        f"tiercheck: skipping step {s} on tier {tier.name!r}: {exc}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+    detail = "; ".join(failures)
+    if step is not None:
+        raise CheckpointCorruptedError(f"step {step} cannot be restored: {detail}")
+    raise CheckpointCorruptedError(
+        f"no committed step could be restored ({len(candidates)} tried, newest first): {detail}"
+    )

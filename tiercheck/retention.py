@@ -1,0 +1,118 @@
+"""Retention policies and the deletion plan (pure: no I/O).
+
+A policy answers "which of these committed steps would you like to keep?"; the plan
+then adds the safety rules no policy can override: the newest committed step, steps
+still being written, and (on tier 1) steps not yet committed on tier 2 are never deleted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+__all__ = ["KeepAll", "KeepEvery", "KeepLast", "RetentionPolicy", "as_policy", "plan_deletions"]
+
+
+class RetentionPolicy(ABC):
+    """Decides which committed steps a tier keeps. Combine policies with ``|``."""
+
+    @abstractmethod
+    def keep(self, steps: Sequence[int]) -> frozenset[int]:
+        """Of the committed `steps` (ascending), the ones this policy wants kept."""
+
+    def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
+        if not isinstance(other, RetentionPolicy):
+            return NotImplemented
+        return KeepAny((self, other))
+
+
+@dataclass(frozen=True, slots=True)
+class KeepLast(RetentionPolicy):
+    """Keep the `n` newest committed steps.
+
+    Example:
+        >>> sorted(KeepLast(2).keep([10, 20, 30]))
+        [20, 30]
+    """
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if type(self.n) is not int or self.n < 1:
+            raise ValueError(f"KeepLast(n) needs an int n >= 1, got {self.n!r}")
+
+    def keep(self, steps: Sequence[int]) -> frozenset[int]:
+        return frozenset(steps[-self.n :])
+
+
+@dataclass(frozen=True, slots=True)
+class KeepEvery(RetentionPolicy):
+    """Keep every step that is a multiple of `n_steps` (long-term milestones).
+
+    Example:
+        >>> sorted((KeepLast(1) | KeepEvery(1000)).keep([500, 1000, 1500, 2000, 2500]))
+        [1000, 2000, 2500]
+    """
+
+    n_steps: int
+
+    def __post_init__(self) -> None:
+        if type(self.n_steps) is not int or self.n_steps < 1:
+            raise ValueError(f"KeepEvery(n_steps) needs an int >= 1, got {self.n_steps!r}")
+
+    def keep(self, steps: Sequence[int]) -> frozenset[int]:
+        return frozenset(s for s in steps if s % self.n_steps == 0)
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAny(RetentionPolicy):
+    """Keep a step if any of `policies` keeps it (what ``a | b`` builds)."""
+
+    policies: tuple[RetentionPolicy, ...]
+
+    def keep(self, steps: Sequence[int]) -> frozenset[int]:
+        kept: set[int] = set()
+        for p in self.policies:
+            kept |= p.keep(steps)
+        return frozenset(kept)
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAll(RetentionPolicy):
+    """Keep everything (what ``keep_local=None`` means)."""
+
+    def keep(self, steps: Sequence[int]) -> frozenset[int]:
+        return frozenset(steps)
+
+
+def as_policy(value: int | RetentionPolicy | None, option: str) -> RetentionPolicy:
+    """Accept the forms the `Checkpointer` options take: int, policy, or None."""
+    if value is None:
+        return KeepAll()
+    if isinstance(value, RetentionPolicy):
+        return value
+    if type(value) is int:
+        return KeepLast(value)
+    raise TypeError(f"{option} must be an int, a retention policy or None, got {value!r}")
+
+
+def plan_deletions(
+    committed: Sequence[int],
+    policy: RetentionPolicy,
+    in_flight: Collection[int] = (),
+    not_yet_on_next_tier: Collection[int] = (),
+) -> list[int]:
+    """The committed steps to delete now, ascending.
+
+    Never the newest committed step, a step in `in_flight`, or one in
+    `not_yet_on_next_tier`, whatever the policy says.
+    """
+    steps = sorted(set(committed))
+    if not steps:
+        return []
+    keep = set(policy.keep(steps))
+    keep.add(steps[-1])
+    keep.update(in_flight)
+    keep.update(not_yet_on_next_tier)
+    return [s for s in steps if s not in keep]

@@ -1,0 +1,138 @@
+"""Host buffers and the copies into them: the only module that touches CUDA.
+
+A `HostBufferPool` holds at most `capacity` page-aligned buffers (pinned when the state
+lives on CUDA). They are allocated on first use, grown only when a state gets larger,
+and reused for every later save, so host memory stays flat from save to save.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .planner import ALIGNMENT, ShardPlan
+from .state import FlatState
+
+
+class HostBuffer:
+    """One reusable staging buffer: a uint8 tensor over page-aligned memory."""
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        self.nbytes = nbytes
+        self.pinned = pinned
+        self._mmap: mmap.mmap | None = None
+        if pinned:
+            # cudaHostAlloc memory is page-aligned, usable for O_DIRECT writes.
+            self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        else:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(-1, max(nbytes, ALIGNMENT), flags=flags)
+            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.array: np.ndarray[Any, np.dtype[np.uint8]] = self.tensor.numpy()
+        self.aligned = self.tensor.data_ptr() % ALIGNMENT == 0
+
+    def view(self, nbytes: int) -> memoryview:
+        return memoryview(self.array[:nbytes])  # type: ignore[arg-type]
+
+    def free(self) -> None:
+        del self.array
+        del self.tensor
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a view is still alive somewhere; the GC frees it later
+                pass
+            self._mmap = None
+
+
+class HostBufferPool:
+    """At most `capacity` buffers; `acquire` blocks while all are in flight."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("host_buffers must be >= 1")
+        self._capacity = capacity
+        self._free: list[HostBuffer] = []
+        self._count = 0
+        self._cond = threading.Condition()
+        self.allocations = 0  # how many times memory was (re)allocated: for tests and stats
+
+    def acquire(self, nbytes: int, pinned: bool, timeout: float | None = None) -> HostBuffer:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free or self._count < self._capacity, timeout):
+                raise TimeoutError("no host buffer became free in time")
+            if self._free:
+                buf = max(self._free, key=lambda b: b.nbytes)
+                self._free.remove(buf)
+                if buf.nbytes >= nbytes and buf.pinned == pinned:
+                    return buf
+                buf.free()
+                self._count -= 1
+            self._count += 1
+        try:
+            buf = HostBuffer(nbytes, pinned)
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+        self.allocations += 1
+        return buf
+
+    def release(self, buf: HostBuffer) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def clear(self) -> None:
+        with self._cond:
+            for buf in self._free:
+                buf.free()
+            self._count -= len(self._free)
+            self._free.clear()
+
+    @property
+    def resident_bytes(self) -> int:
+        with self._cond:
+            return sum(b.nbytes for b in self._free)
+
+
+def needs_pinned(sources: Sequence[object]) -> bool:
+    return any(isinstance(s, torch.Tensor) and s.device.type == "cuda" for s in sources)
+
+
+def stage_into(buf: HostBuffer, flat: FlatState, plan: ShardPlan) -> None:
+    """Copy every leaf's bytes into `buf` at the planned offsets; returns when the copy is done.
+
+    CUDA tensors are copied on a side stream with non_blocking copies into pinned memory,
+    then synchronised once, so the default stream of the training loop is not serialised
+    behind the device-to-host transfer.
+    """
+    cuda_stream = None
+    for leaf, src, off in zip(flat.leaves, flat.sources, plan.offsets, strict=True):
+        if leaf.alias_of is not None or leaf.nbytes == 0:
+            continue
+        if isinstance(src, torch.Tensor):
+            dst = buf.tensor[off : off + leaf.nbytes].view(src.dtype).view(src.shape)
+            if src.device.type == "cuda":
+                if cuda_stream is None:
+                    cuda_stream = torch.cuda.Stream(device=src.device)
+                    cuda_stream.wait_stream(torch.cuda.current_stream(src.device))
+                with torch.cuda.stream(cuda_stream):
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(cuda_stream)
+            else:
+                dst.copy_(src)
+        elif isinstance(src, np.ndarray):
+            dst_np = buf.array[off : off + leaf.nbytes].view(src.dtype).reshape(src.shape)
+            np.copyto(dst_np, src, casting="no")
+        else:
+            assert isinstance(src, bytes)
+            buf.array[off : off + leaf.nbytes] = np.frombuffer(src, dtype=np.uint8)
+    if cuda_stream is not None:
+        cuda_stream.synchronize()

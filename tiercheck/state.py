@@ -1,0 +1,213 @@
+"""Flatten a training state into a JSON tree plus byte leaves (pure over values).
+
+The tree keeps every container's type (dict keys keep int/str, tuples stay tuples),
+plain values are encoded exactly (ints of any size as decimal strings, floats as
+``float.hex``), and each array-like value becomes a `Leaf` whose bytes go to a shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dtypes import numpy_dtype_name, torch_dtype_name
+from .errors import UnsupportedStateError
+
+JsonNode = dict[str, Any]
+
+ROOT = "state"
+
+
+def key_path(parent: str, key: object) -> str:
+    """``state['model']['fc.weight']``, ``state['optimizer']['state'][0]``: unambiguous."""
+    return f"{parent}[{key!r}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One array-like value whose bytes go to a shard file."""
+
+    path: str
+    kind: str  # "tensor" | "ndarray" | "npscalar" | "bytes"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    alias_of: int | None = None  # index of an earlier leaf with the very same bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FlatState:
+    """The result of flattening: a JSON tree, leaf descriptions, and their live sources."""
+
+    tree: JsonNode
+    leaves: tuple[Leaf, ...]
+    sources: tuple[object, ...]  # torch.Tensor | np.ndarray | bytes, parallel to leaves
+
+    @property
+    def signature(self) -> tuple[tuple[str, str, tuple[int, ...], int | None], ...]:
+        """Equal for two states whose byte layout is the same (the plan cache key)."""
+        return tuple((lf.kind, lf.dtype, lf.shape, lf.alias_of) for lf in self.leaves)
+
+
+def is_stateful(value: object) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def encode_float(value: float) -> str:
+    return value.hex()
+
+
+def decode_float(text: str) -> float:
+    return float.fromhex(text)
+
+
+def flatten_state(state: Mapping[Any, Any]) -> FlatState:
+    """Flatten `state` for `save()`.
+
+    Raises:
+        UnsupportedStateError: a value, key or dtype the format cannot store; names its key path.
+    """
+    if not isinstance(state, Mapping):
+        raise UnsupportedStateError(
+            f"state must be a mapping (a dict of tensors, modules, optimizers, ...), "
+            f"got {type(state).__name__}"
+        )
+    builder = _Flattener()
+    tree = builder.node(state, ROOT)
+    return FlatState(tree=tree, leaves=tuple(builder.leaves), sources=tuple(builder.sources))
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.sources: list[object] = []
+        self._alias: dict[tuple[object, ...], int] = {}
+        self._on_path: set[int] = set()
+
+    def node(self, value: object, path: str) -> JsonNode:
+        if isinstance(value, torch.Tensor):
+            return {"t": "tensor", "e": self._tensor(value, path)}
+        if isinstance(value, np.ndarray):
+            return {"t": "ndarray", "e": self._ndarray(value, path, "ndarray")}
+        if isinstance(value, np.generic):
+            return {"t": "npscalar", "e": self._ndarray(np.asarray(value), path, "npscalar")}
+        kind = type(value)
+        if value is None:
+            return {"t": "none"}
+        if kind is bool:
+            return {"t": "bool", "v": value}
+        if kind is int:
+            return {"t": "int", "v": str(value)}
+        if kind is float:
+            return {"t": "float", "v": encode_float(value)}  # type: ignore[arg-type]
+        if kind is str:
+            return {"t": "str", "v": value}
+        if kind is bytes or kind is bytearray:
+            return {"t": "bytes", "e": self._bytes(bytes(value), path)}  # type: ignore[arg-type]
+        if isinstance(value, Mapping):
+            return self._container(value, path, "dict")
+        if kind is list or kind is tuple:
+            return self._container(value, path, kind.__name__)
+        if is_stateful(value):
+            try:
+                inner = value.state_dict()  # type: ignore[attr-defined]
+            except Exception as exc:
+                raise UnsupportedStateError(
+                    f"{path}: {type(value).__name__}.state_dict() raised {exc!r}"
+                ) from exc
+            if not isinstance(inner, Mapping):
+                raise UnsupportedStateError(
+                    f"{path}: {type(value).__name__}.state_dict() returned "
+                    f"{type(inner).__name__}, expected a mapping"
+                )
+            return {"t": "stateful", "v": self._container(inner, path, "dict")}
+        raise UnsupportedStateError(
+            f"{path}: cannot checkpoint a value of type {kind.__module__}.{kind.__qualname__}; "
+            "supported are tensors, numpy arrays, int/float/bool/str/bytes/None, "
+            "dict/list/tuple of these, and objects with state_dict()/load_state_dict()"
+        )
+
+    def _container(self, value: Any, path: str, kind: str) -> JsonNode:
+        if id(value) in self._on_path:
+            raise UnsupportedStateError(f"{path}: the state contains a reference cycle")
+        self._on_path.add(id(value))
+        try:
+            if kind == "dict":
+                keys: list[list[str]] = []
+                values: list[JsonNode] = []
+                for k, v in value.items():
+                    if type(k) is str:
+                        keys.append(["s", k])
+                    elif type(k) is int:
+                        keys.append(["i", str(k)])
+                    else:
+                        raise UnsupportedStateError(
+                            f"{key_path(path, k)}: dict keys must be str or int, "
+                            f"got {type(k).__name__}"
+                        )
+                    values.append(self.node(v, key_path(path, k)))
+                return {"t": "dict", "k": keys, "v": values}
+            return {"t": kind, "v": [self.node(v, key_path(path, i)) for i, v in enumerate(value)]}
+        finally:
+            self._on_path.discard(id(value))
+
+    def _add(self, leaf: Leaf, source: object, alias_key: tuple[object, ...] | None) -> int:
+        if alias_key is not None:
+            first = self._alias.get(alias_key)
+            if first is not None:
+                leaf = Leaf(leaf.path, leaf.kind, leaf.dtype, leaf.shape, leaf.nbytes, first)
+            else:
+                self._alias[alias_key] = len(self.leaves)
+        self.leaves.append(leaf)
+        self.sources.append(source)
+        return len(self.leaves) - 1
+
+    def _tensor(self, t: torch.Tensor, path: str) -> int:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnsupportedStateError(
+                f"{path}: tensor subclass {type(t).__name__} is not supported; "
+                "save a plain tensor (e.g. t.full_tensor() or t.to_local())"
+            )
+        if t.layout != torch.strided or t.is_quantized or t.is_nested:
+            raise UnsupportedStateError(
+                f"{path}: only dense strided tensors are supported, got layout {t.layout}"
+            )
+        if t.device.type == "meta":
+            raise UnsupportedStateError(f"{path}: a meta tensor has no data to save")
+        name = torch_dtype_name(t.dtype)
+        if name is None:
+            raise UnsupportedStateError(f"{path}: dtype {t.dtype} is not supported by the format")
+        shape = tuple(int(s) for s in t.shape)
+        nbytes = t.numel() * t.element_size()
+        alias_key: tuple[object, ...] | None = None
+        if nbytes:
+            alias_key = (
+                t.device,
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                shape,
+                tuple(t.stride()),
+                t.dtype,
+                t.is_conj(),
+                t.is_neg(),
+            )
+        return self._add(Leaf(path, "tensor", name, shape, nbytes), t.detach(), alias_key)
+
+    def _ndarray(self, a: np.ndarray[Any, Any], path: str, kind: str) -> int:
+        name = numpy_dtype_name(a.dtype)
+        if name is None:
+            raise UnsupportedStateError(
+                f"{path}: numpy dtype {a.dtype} is not supported (numeric and bool only)"
+            )
+        return self._add(
+            Leaf(path, kind, name, tuple(int(s) for s in a.shape), int(a.nbytes)), a, None
+        )
+
+    def _bytes(self, b: bytes, path: str) -> int:
+        return self._add(Leaf(path, "bytes", "uint8", (len(b),), len(b)), b, None)

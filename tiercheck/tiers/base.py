@@ -1,0 +1,87 @@
+"""The interface every tier implements.
+
+A tier is a blocking byte store rooted at one location. Calls come from one
+background worker per tier (writes, deletions) and from the caller's thread
+(listing, reads during restore); implementations must allow a listing or read
+concurrently with a write of a *different* step.
+
+Writing one step, a worker calls, in this order::
+
+    w = tier.open_step(step, rank)
+    w.write_file(shard_name, data, aligned)   # once per shard file
+    w.write_file(manifest_name, data)
+    w.commit(marker_bytes)                    # the step becomes visible here, atomically
+    # or, on any error before commit:
+    w.abort()                                 # removes everything this writer created
+
+After `commit` returns, the step is durable: a crash at any later instant leaves it
+listed and readable. Before `commit` returns, `committed_steps()` never lists it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class StepWriter(ABC):
+    """Writes one step's files on a tier; see the module docstring for the call order."""
+
+    @abstractmethod
+    def write_file(self, name: str, data: memoryview, aligned: bool = False) -> None:
+        """Write the whole file `name` of this step. `aligned` promises that `data` starts
+        on a page boundary and its length is a multiple of 4096 (O_DIRECT may be used)."""
+
+    @abstractmethod
+    def commit(self, marker: bytes) -> None:
+        """Write the commit marker last and make the step visible; durable on return."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Remove whatever this writer created; never raises."""
+
+
+class ReadableFile(ABC):
+    """A positional reader over one file of a committed step."""
+
+    size: int
+
+    @abstractmethod
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        """Fill `dest` with the bytes at `offset`; raises EOFError if the file is short."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Tier(ABC):
+    """A store of committed steps under one root."""
+
+    name: str  # "local" or "remote"
+    location: str  # the root, as the user gave it
+
+    @abstractmethod
+    def committed_steps(self) -> list[int]:
+        """Steps whose commit marker exists, ascending. O(1) listings of the root."""
+
+    @abstractmethod
+    def open_step(self, step: int, rank: int) -> StepWriter: ...
+
+    @abstractmethod
+    def read_bytes(self, step: int, name: str, limit: int) -> bytes:
+        """The whole (small) file `name` of `step`; raises CheckpointCorruptedError if it
+        is larger than `limit` bytes and FileNotFoundError if it is missing."""
+
+    @abstractmethod
+    def open_file(self, step: int, name: str) -> ReadableFile: ...
+
+    @abstractmethod
+    def delete_step(self, step: int) -> None:
+        """Make `step` invisible first (marker), then delete its data. Crash-safe."""
+
+    @abstractmethod
+    def remove_leftovers(self) -> list[str]:
+        """Delete temp/trash entries that this library's naming rules recognise; return them."""
+
+    @abstractmethod
+    def path_of(self, step: int, name: str | None = None) -> str:
+        """A human-readable path for messages."""
