@@ -9,8 +9,8 @@ from .errors import (
     NoCheckpointError,
     StateMismatchError,
     StepConflictError,
-    TierError,
     TiercheckError,
+    TierError,
     UnsupportedStateError,
 )
 from .events import SaveStats

@@ -14,8 +14,8 @@ from typing import Any
 from .checksum import ALGORITHMS
 from .errors import (
     StepConflictError,
-    TierError,
     TiercheckError,
+    TierError,
     UnsupportedStateError,
 )
 from .events import logger
@@ -93,8 +93,7 @@ class Checkpointer:
             raise ValueError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
         if remote is not None:
             raise NotImplementedError(
-                "the remote (fsspec) tier is not available in this release of tiercheck; "
-                "use local=DIR for now"
+                "the remote (fsspec) tier is not available in this release of tiercheck; use local=DIR for now"
             )
         if checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
@@ -241,9 +240,7 @@ class Checkpointer:
             return
         in_flight = self._pipeline.in_flight()
         if in_flight and step <= in_flight[-1]:
-            raise StepConflictError(
-                f"step {step} is not newer than step {in_flight[-1]}, which is still being saved"
-            )
+            raise StepConflictError(f"step {step} is not newer than step {in_flight[-1]}, which is still being saved")
         committed = self.steps()
         if self._latest_known is None and committed:
             self._latest_known = committed[-1]

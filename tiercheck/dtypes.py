@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -30,16 +32,16 @@ def torch_dtype_name(dtype: torch.dtype) -> str | None:
     return TORCH_DTYPE_NAMES.get(dtype)
 
 
-def numpy_dtype_name(dtype: np.dtype[object]) -> str | None:
+def numpy_dtype_name(dtype: np.dtype[Any]) -> str | None:
     """numpy's own ``dtype.str`` (e.g. ``<u4``), or None for object/str/void dtypes."""
     if dtype.kind not in NUMPY_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         return None
     return str(dtype.str)
 
 
-def numpy_dtype_from_name(name: str) -> np.dtype[object] | None:
+def numpy_dtype_from_name(name: str) -> np.dtype[Any] | None:
     try:
-        dtype: np.dtype[object] = np.dtype(name)
+        dtype: np.dtype[Any] = np.dtype(name)
     except (TypeError, ValueError):
         return None
     return dtype if numpy_dtype_name(dtype) == name else None

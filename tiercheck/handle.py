@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .errors import TierError, TiercheckError
+from .errors import TiercheckError, TierError
 from .events import SaveStats
 
 __all__ = ["SaveHandle", "WaitTimeoutError"]
@@ -34,7 +34,9 @@ class SaveHandle:
         self._on_error_seen = on_error_seen
 
     def __repr__(self) -> str:
-        state = {t: ("failed" if t in self._errors else "done" if e.is_set() else "pending") for t, e in self._events.items()}
+        state = {
+            t: ("failed" if t in self._errors else "done" if e.is_set() else "pending") for t, e in self._events.items()
+        }
         return f"SaveHandle(step={self.step}, {state})"
 
     def _tiers(self, tier: str | None) -> tuple[str, ...]:

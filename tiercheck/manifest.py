@@ -119,9 +119,7 @@ def encode_marker(m: Marker) -> bytes:
         "step": m.step,
         "world_size": m.world_size,
         "checksum_algorithm": m.checksum_algorithm,
-        "manifests": [
-            {"name": r.file, "length": r.length, "checksum": r.checksum} for r in m.manifests
-        ],
+        "manifests": [{"name": r.file, "length": r.length, "checksum": r.checksum} for r in m.manifests],
     }
     return _dump(doc)
 
@@ -257,7 +255,17 @@ def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:
     if codec != "raw":
         raise _fail(w, f"unsupported codec {codec!r}")
     path = _str(e, "path", w)
-    return Entry(path, kind, dtype, shape, file, offset, length, _checksum_text(_str(e, "checksum", w), w), codec)
+    return Entry(
+        path,
+        kind,
+        dtype,
+        shape,
+        file,
+        offset,
+        length,
+        _checksum_text(_str(e, "checksum", w), w),
+        codec,
+    )
 
 
 def _check_tree(node: object, entries: tuple[Entry, ...], where: str, depth: int) -> None:

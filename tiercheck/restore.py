@@ -72,8 +72,7 @@ class _Binder:
                 if strict:
                     raise self._mismatch(
                         path,
-                        f"template tensor is {tmpl.dtype} {tuple(tmpl.shape)}, "
-                        f"checkpoint has {dtype} {e.shape}",
+                        f"template tensor is {tmpl.dtype} {tuple(tmpl.shape)}, checkpoint has {dtype} {e.shape}",
                     )
             elif strict and _is_structured(tmpl):
                 raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a tensor")
@@ -88,16 +87,17 @@ class _Binder:
         assert npd is not None
         if isinstance(tmpl, np.ndarray) and e.kind == "ndarray":
             if tmpl.dtype == npd and tmpl.shape == e.shape and tmpl.flags.c_contiguous and tmpl.flags.writeable:
-                self.reads.append(_Read(e, memoryview(tmpl.reshape(-1).view(np.uint8))))
+                self.reads.append(_Read(e, _bytes_of(tmpl)))
                 return lambda: tmpl
             if strict:
                 raise self._mismatch(
-                    path, f"template array is {tmpl.dtype} {tmpl.shape}, checkpoint has {npd} {e.shape}"
+                    path,
+                    f"template array is {tmpl.dtype} {tmpl.shape}, checkpoint has {npd} {e.shape}",
                 )
         elif strict and _is_structured(tmpl):
             raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint an array")
         arr: np.ndarray[Any, Any] = np.empty(e.shape, dtype=npd)
-        self.reads.append(_Read(e, memoryview(arr.reshape(-1).view(np.uint8))))
+        self.reads.append(_Read(e, _bytes_of(arr)))
         if e.kind == "npscalar":
             return lambda: arr[()]
         return lambda: arr
@@ -119,7 +119,7 @@ class _Binder:
     def _plan_read(self, e: Entry, t: torch.Tensor) -> None:
         if e.length:
             flat = t.reshape(-1).view(torch.uint8)
-            self.reads.append(_Read(e, memoryview(flat.numpy())))  # type: ignore[arg-type]
+            self.reads.append(_Read(e, _bytes_of(flat.numpy())))
         else:
             self.reads.append(_Read(e, memoryview(b"")))
 
@@ -132,7 +132,7 @@ class _Binder:
                 child = children.get(k, _MISSING)
                 if child is _MISSING:
                     raise self._mismatch(key_path(path, k), "this key of the template is not in the checkpoint")
-                producers.append((k, self.bind(tmpl[k], child, key_path(path, k), True)))  # type: ignore[arg-type]
+                producers.append((k, self.bind(tmpl[k], child, key_path(path, k), True)))
 
             def fill() -> object:
                 for k, p in producers:
@@ -140,7 +140,7 @@ class _Binder:
                     if isinstance(tmpl, MutableMapping):
                         if tmpl[k] is not v:
                             tmpl[k] = v
-                    elif tmpl[k] is not v:  # type: ignore[index]
+                    elif tmpl[k] is not v:
                         raise self._mismatch(key_path(path, k), "read-only mapping in the template")
                 return tmpl
 
@@ -155,7 +155,9 @@ class _Binder:
         items: list[JsonNode] = node["v"]
         kind = list if node["t"] == "list" else tuple
         if isinstance(tmpl, (list, tuple)) and len(tmpl) == len(items):
-            producers = [self.bind(tv, cv, key_path(path, i), strict) for i, (tv, cv) in enumerate(zip(tmpl, items))]
+            producers = [
+                self.bind(tv, cv, key_path(path, i), strict) for i, (tv, cv) in enumerate(zip(tmpl, items, strict=True))
+            ]
             if isinstance(tmpl, list) and kind is list:
 
                 def fill() -> object:
@@ -168,8 +170,15 @@ class _Binder:
                 return fill
             return lambda: kind(p() for p in producers)
         if strict and _is_structured(tmpl):
-            got = f"{type(tmpl).__name__} of length {len(tmpl)}" if isinstance(tmpl, (list, tuple)) else type(tmpl).__name__
-            raise self._mismatch(path, f"the template holds a {got}, the checkpoint a {node['t']} of length {len(items)}")
+            got = (
+                f"{type(tmpl).__name__} of length {len(tmpl)}"
+                if isinstance(tmpl, (list, tuple))
+                else type(tmpl).__name__
+            )
+            raise self._mismatch(
+                path,
+                f"the template holds a {got}, the checkpoint a {node['t']} of length {len(items)}",
+            )
         producers = [self.bind(None, cv, key_path(path, i), False) for i, cv in enumerate(items)]
         return lambda: kind(p() for p in producers)
 
@@ -187,10 +196,17 @@ class _Binder:
             try:
                 tmpl.load_state_dict(sd)  # type: ignore[attr-defined]
             except Exception as exc:
-                raise self._mismatch(path, f"{type(tmpl).__name__}.load_state_dict() rejected the checkpoint: {exc}") from exc
+                raise self._mismatch(
+                    path, f"{type(tmpl).__name__}.load_state_dict() rejected the checkpoint: {exc}"
+                ) from exc
             return tmpl
 
         return load
+
+
+def _bytes_of(arr: np.ndarray[Any, Any]) -> memoryview:
+    """A writable byte view of a C-contiguous array's memory."""
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def _is_structured(tmpl: object) -> bool:
@@ -240,7 +256,9 @@ def read_manifest(tier: Tier, step: int, rank: int) -> Manifest:
         raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
     manifest = decode_manifest(data, mwhere)
     if (manifest.step, manifest.rank, manifest.world_size) != (step, rank, marker.world_size):
-        raise CheckpointCorruptedError(f"{mwhere}: manifest names step/rank/world {manifest.step}/{manifest.rank}/{manifest.world_size}")
+        raise CheckpointCorruptedError(
+            f"{mwhere}: manifest names step/rank/world {manifest.step}/{manifest.rank}/{manifest.world_size}"
+        )
     if manifest.checksum_algorithm not in ALGORITHMS:
         raise CheckpointCorruptedError(f"{mwhere}: unknown checksum algorithm {manifest.checksum_algorithm!r}")
     return manifest

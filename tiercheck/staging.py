@@ -7,6 +7,7 @@ and reused for every later save, so host memory stays flat from save to save.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from collections.abc import Sequence
@@ -43,10 +44,9 @@ class HostBuffer:
         del self.array
         del self.tensor
         if self._mmap is not None:
-            try:
+            # BufferError: a view is still alive somewhere; the GC frees the map later.
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:  # a view is still alive somewhere; the GC frees it later
-                pass
             self._mmap = None
 
 
@@ -121,7 +121,7 @@ def stage_into(buf: HostBuffer, flat: FlatState, plan: ShardPlan) -> None:
             dst = buf.tensor[off : off + leaf.nbytes].view(src.dtype).view(src.shape)
             if src.device.type == "cuda":
                 if cuda_stream is None:
-                    cuda_stream = torch.cuda.Stream(device=src.device)
+                    cuda_stream = torch.cuda.Stream(device=src.device)  # type: ignore[no-untyped-call]
                     cuda_stream.wait_stream(torch.cuda.current_stream(src.device))
                 with torch.cuda.stream(cuda_stream):
                     dst.copy_(src, non_blocking=True)

@@ -54,9 +54,7 @@ class FlatState:
 
 
 def is_stateful(value: object) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def encode_float(value: float) -> str:
@@ -75,8 +73,7 @@ def flatten_state(state: Mapping[Any, Any]) -> FlatState:
     """
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
-            f"state must be a mapping (a dict of tensors, modules, optimizers, ...), "
-            f"got {type(state).__name__}"
+            f"state must be a mapping (a dict of tensors, modules, optimizers, ...), got {type(state).__name__}"
         )
     builder = _Flattener()
     tree = builder.node(state, ROOT)
@@ -109,7 +106,7 @@ class _Flattener:
         if kind is str:
             return {"t": "str", "v": value}
         if kind is bytes or kind is bytearray:
-            return {"t": "bytes", "e": self._bytes(bytes(value), path)}  # type: ignore[arg-type]
+            return {"t": "bytes", "e": self._bytes(bytes(value), path)}  # type: ignore[call-overload]
         if isinstance(value, Mapping):
             return self._container(value, path, "dict")
         if kind is list or kind is tuple:
@@ -118,13 +115,10 @@ class _Flattener:
             try:
                 inner = value.state_dict()  # type: ignore[attr-defined]
             except Exception as exc:
-                raise UnsupportedStateError(
-                    f"{path}: {type(value).__name__}.state_dict() raised {exc!r}"
-                ) from exc
+                raise UnsupportedStateError(f"{path}: {type(value).__name__}.state_dict() raised {exc!r}") from exc
             if not isinstance(inner, Mapping):
                 raise UnsupportedStateError(
-                    f"{path}: {type(value).__name__}.state_dict() returned "
-                    f"{type(inner).__name__}, expected a mapping"
+                    f"{path}: {type(value).__name__}.state_dict() returned {type(inner).__name__}, expected a mapping"
                 )
             return {"t": "stateful", "v": self._container(inner, path, "dict")}
         raise UnsupportedStateError(
@@ -148,8 +142,7 @@ class _Flattener:
                         keys.append(["i", str(k)])
                     else:
                         raise UnsupportedStateError(
-                            f"{key_path(path, k)}: dict keys must be str or int, "
-                            f"got {type(k).__name__}"
+                            f"{key_path(path, k)}: dict keys must be str or int, got {type(k).__name__}"
                         )
                     values.append(self.node(v, key_path(path, k)))
                 return {"t": "dict", "k": keys, "v": values}
@@ -175,9 +168,7 @@ class _Flattener:
                 "save a plain tensor (e.g. t.full_tensor() or t.to_local())"
             )
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
-            raise UnsupportedStateError(
-                f"{path}: only dense strided tensors are supported, got layout {t.layout}"
-            )
+            raise UnsupportedStateError(f"{path}: only dense strided tensors are supported, got layout {t.layout}")
         if t.device.type == "meta":
             raise UnsupportedStateError(f"{path}: a meta tensor has no data to save")
         name = torch_dtype_name(t.dtype)
@@ -202,12 +193,8 @@ class _Flattener:
     def _ndarray(self, a: np.ndarray[Any, Any], path: str, kind: str) -> int:
         name = numpy_dtype_name(a.dtype)
         if name is None:
-            raise UnsupportedStateError(
-                f"{path}: numpy dtype {a.dtype} is not supported (numeric and bool only)"
-            )
-        return self._add(
-            Leaf(path, kind, name, tuple(int(s) for s in a.shape), int(a.nbytes)), a, None
-        )
+            raise UnsupportedStateError(f"{path}: numpy dtype {a.dtype} is not supported (numeric and bool only)")
+        return self._add(Leaf(path, kind, name, tuple(int(s) for s in a.shape), int(a.nbytes)), a, None)
 
     def _bytes(self, b: bytes, path: str) -> int:
         return self._add(Leaf(path, "bytes", "uint8", (len(b),), len(b)), b, None)

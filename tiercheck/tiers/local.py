@@ -77,9 +77,7 @@ class LocalTier(Tier):
         with it:
             for entry in it:
                 step = layout.parse_step_dir(entry.name)
-                if step is not None and os.path.isfile(
-                    os.path.join(entry.path, layout.COMMIT_NAME)
-                ):
+                if step is not None and os.path.isfile(os.path.join(entry.path, layout.COMMIT_NAME)):
                     steps.append(step)
         return sorted(steps)
 
