@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import time
@@ -117,8 +116,9 @@ class Checkpointer:
         for path in self._local.remove_leftovers():
             logger.info("removed leftover %s from an interrupted save or deletion", path)
         self._pipeline = Pipeline(self._local, self._pool, self._policy, checksum)
+        # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
+        # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
         self._finalizer = weakref.finalize(self, _finalize, self._pipeline, self._pool, str(local))
-        atexit.register(self._finalizer)
 
     # -- context manager -------------------------------------------------------------
 
@@ -314,7 +314,6 @@ class Checkpointer:
                 return
             self._closed = True
             self._finalizer.detach()
-            atexit.unregister(self._finalizer)
             self._pipeline.wait_idle()
             self._pipeline.close()
             self._pool.clear()
@@ -358,13 +357,12 @@ class Checkpointer:
 
 def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str) -> None:
     pending = pipeline.in_flight()
-    if pending:
-        warnings.warn(
-            f"tiercheck: Checkpointer for {where} was not closed; draining pending steps "
-            f"{pending}. Call close() or use it as a context manager.",
-            ResourceWarning,
-            stacklevel=2,
-        )
+    warnings.warn(
+        f"tiercheck: Checkpointer for {where} was not closed (pending steps: {pending or 'none'}); "
+        "draining it now. Call close() or use it as a context manager.",
+        ResourceWarning,
+        stacklevel=2,
+    )
     pipeline.wait_idle(timeout=600)
     pipeline.close(timeout=10)
     pool.clear()
