@@ -121,9 +121,7 @@ def filesystem_of(path: Path) -> dict[str, str]:
     info = {"fstype": "unknown", "source": "unknown", "mountpoint": "unknown"}
     try:
         out = (
-            subprocess.run(
-                ["df", "-T", "-P", str(path)], capture_output=True, text=True, check=True
-            )
+            subprocess.run(["df", "-T", "-P", str(path)], capture_output=True, text=True, check=True)
             .stdout.strip()
             .splitlines()
         )
@@ -137,9 +135,7 @@ def filesystem_of(path: Path) -> dict[str, str]:
             with open("/proc/mounts") as f:
                 for line in f:
                     src, mnt, fstype = line.split()[:3]
-                    if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(
-                        best
-                    ):
+                    if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
                         best = mnt
                         info = {"source": src, "fstype": fstype, "mountpoint": mnt}
         except Exception:
@@ -173,6 +169,7 @@ def machine_info(target: Path) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "platform": platform.platform(),
+        "loadavg_start": os.getloadavg(),
         "target_dir": str(target),
         "target_fs": filesystem_of(target),
     }
@@ -351,7 +348,20 @@ class Bench:
         if record:
             self.add("tiercheck_stall", t1 - t0)
             self.add("tiercheck_durable", t2 - t0)
+            self.record_handle_stats("tiercheck_steady", h)
         self._checkpointer_wait(self.tc_steady)
+
+    def record_handle_stats(self, prefix: str, h: Any) -> None:
+        """Keep tiercheck's own SaveStats (if the handle has them) for diagnosis."""
+        st = getattr(h, "stats", None)
+        if st is None:
+            return
+        for f in ("stall_s", "buffer_wait_s", "stage_s"):
+            v = getattr(st, f, None)
+            if isinstance(v, (int, float)):
+                self.add_extra(f"{prefix}.{f}", float(v))
+        if isinstance(getattr(st, "allocated", None), bool):
+            self.add_extra(f"{prefix}.allocated", float(st.allocated))
 
     def _checkpointer_wait(self, ckpt: Any) -> None:
         w = getattr(ckpt, "wait", None)
@@ -377,6 +387,7 @@ class Bench:
             if record:
                 self.add(key, t1 - t0)
                 self.add_extra(key.replace("stall", "durable"), t2 - t0)
+                self.record_handle_stats("tiercheck_first_" + key.rsplit("_", 1)[1], h)
         finally:
             ckpt.close()
             shutil.rmtree(d, ignore_errors=True)
@@ -501,6 +512,9 @@ def build_report(b: Bench, info: dict[str, Any]) -> dict[str, Any]:
         r = ratio(st.get(num), st.get(den))
         entry: dict[str, Any] = {
             "value": r,
+            "of_mins": (
+                st[num]["min"] / st[den]["min"] if st.get(num) and st.get(den) and st[den]["min"] > 0 else None
+            ),
             "paired_median": paired_ratio(s.get(num), s.get(den)),
             "num": num,
             "den": den,
@@ -547,6 +561,8 @@ def build_report(b: Bench, info: dict[str, Any]) -> dict[str, Any]:
             "page cache was NOT dropped (not reliably possible here); files are fsynced and "
             "deleted after each run; data is random fp32 (incompressible).",
             "methods are interleaved within each repeat, order rotated between repeats.",
+            "'of mins' ratios: on a shared machine noise only adds time, so mins are the "
+            "least-contended estimate; 'paired median' = median of per-repeat ratios.",
         ],
     }
 
@@ -574,7 +590,9 @@ def markdown(rep: dict[str, Any]) -> str:
         f"machine: {m['cpu_count']} CPUs ({m['cpu_model']}), {m['mem_total_gib']} GiB RAM, "
         f"torch {m['torch']} ({m['torch_num_threads']} threads), python {m['python']}; "
         f"target dir `{m['target_dir']}` on **{fs['fstype']}** ({fs['source']} at "
-        f"{fs['mountpoint']})"
+        f"{fs['mountpoint']}); load avg (1/5/15 min) start "
+        f"{'/'.join(f'{x:.1f}' for x in m['loadavg_start'])}, end "
+        f"{'/'.join(f'{x:.1f}' for x in m.get('loadavg_end', (0, 0, 0)))}"
     )
     if fs["fstype"] in ("tmpfs", "ramfs"):
         lines.append("**WARNING: target is a RAM filesystem; fsync numbers are meaningless.**")
@@ -596,10 +614,7 @@ def markdown(rep: dict[str, Any]) -> str:
             lines.append(f"| {label} | n/a | n/a | n/a | n/a |")
             continue
         gbs = nb / GIB / s["median"] if s["median"] > 0 else float("inf")
-        lines.append(
-            f"| {label} | {fmt_ms(s['median'])} | {fmt_ms(s['min'])} | {fmt_ms(s['max'])} "
-            f"| {gbs:.2f} |"
-        )
+        lines.append(f"| {label} | {fmt_ms(s['median'])} | {fmt_ms(s['min'])} | {fmt_ms(s['max'])} | {gbs:.2f} |")
     ex = rep["extra_timings_s"]
     extra_rows = [
         ("  torch.save serialize part", "torch_save.serialize"),
@@ -607,16 +622,18 @@ def markdown(rep: dict[str, Any]) -> str:
         ("  tiercheck prepare() itself", "tiercheck_prepare"),
         ("  tiercheck 1st save → durable, cold", "tiercheck_first_durable_cold"),
         ("  tiercheck 1st save → durable, prepared", "tiercheck_first_durable_prepared"),
+        ("  tiercheck SaveStats steady: stage_s", "tiercheck_steady.stage_s"),
+        ("  tiercheck SaveStats steady: buffer_wait_s", "tiercheck_steady.buffer_wait_s"),
+        ("  tiercheck SaveStats 1st cold: stage_s", "tiercheck_first_cold.stage_s"),
+        ("  tiercheck SaveStats 1st prepared: stage_s", "tiercheck_first_prepared.stage_s"),
     ]
     for label, key in extra_rows:
         s = ex.get(key)
         if s is not None:
-            lines.append(
-                f"| {label} | {fmt_ms(s['median'])} | {fmt_ms(s['min'])} | {fmt_ms(s['max'])} | |"
-            )
+            lines.append(f"| {label} | {fmt_ms(s['median'])} | {fmt_ms(s['min'])} | {fmt_ms(s['max'])} | |")
     lines.append("")
-    lines.append("| ratio (of medians) | value | paired median | target | met |")
-    lines.append("|---|---:|---:|---|---|")
+    lines.append("| ratio | of medians | paired median | of mins | target | met (medians) |")
+    lines.append("|---|---:|---:|---:|---|---|")
     labels = {
         "torch_save_over_tiercheck_stall": "torch.save stall / tiercheck stall",
         "tiercheck_stall_over_plain_copy": "tiercheck stall / plain copy",
@@ -631,10 +648,20 @@ def markdown(rep: dict[str, Any]) -> str:
         met_s = "" if "target" not in r else ("n/a" if met is None else ("yes" if met else "NO"))
         lines.append(
             f"| {label} | {fmt_r(r['value'])} | {fmt_r(r['paired_median'])} "
-            f"| {r.get('target', '')} | {met_s} |"
+            f"| {fmt_r(r['of_mins'])} | {r.get('target', '')} | {met_s} |"
         )
     tc = rep["tiercheck"]
     lines.append("")
+    allocs = {
+        k.split(".")[0]: f"{int(sum(v))}/{len(v)}"
+        for k, v in rep["extra_samples_s"].items()
+        if k.endswith(".allocated")
+    }
+    if allocs:
+        lines.append(
+            "tiercheck SaveStats.allocated (saves that allocated a buffer): "
+            + ", ".join(f"{k} {v}" for k, v in allocs.items())
+        )
     if tc["error"]:
         lines.append(f"tiercheck: **{tc['error']}**")
     if tc["verify"]:
@@ -662,9 +689,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="target dir (default: fresh temp dir under ./bench_out/; avoid tmpfs)",
     )
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write JSON here")
-    p.add_argument(
-        "--quick", action="store_true", help="0.1 GiB, 2 repeats (explicit flags still win)"
-    )
+    p.add_argument("--quick", action="store_true", help="0.1 GiB, 2 repeats (explicit flags still win)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", action="store_true", help="skip the unrecorded warm-up round")
     p.add_argument("--no-tiercheck", action="store_true", help="baselines only (a, b, d)")
@@ -697,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bench = Bench(args, root)
         bench.run()
+        info["loadavg_end"] = os.getloadavg()
         rep = build_report(bench, info)
     finally:
         if created and not args.keep:
