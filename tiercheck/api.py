@@ -8,7 +8,9 @@ from typing import Any
 
 from .errors import NoCheckpointError
 from .restore import restore_from
+from .tiers.base import Tier
 from .tiers.local import LocalTier
+from .tiers.remote import RemoteTier
 
 
 def load(
@@ -23,9 +25,9 @@ def load(
     saved through `state_dict()` as their state dicts.
 
     Args:
-        location: a tier root (a local directory).
+        location: a tier root: a local directory or an fsspec URL.
         step: the step to read; the newest committed one if None.
-        storage_options: fsspec options for a remote location (unused for directories).
+        storage_options: fsspec options for a URL (unused for directories).
         rank: which rank's part to read.
 
     Raises:
@@ -37,13 +39,10 @@ def load(
         >>> model.load_state_dict(sd["model"])        # doctest: +SKIP
     """
     loc = os.fspath(location)
-    if "://" in loc and not loc.startswith("file://"):
-        raise NotImplementedError("remote locations are not available in this release")
-    if loc.startswith("file://"):
-        loc = loc[len("file://") :]
-    found = restore_from([LocalTier(loc)], None, step, rank, strict=False)
+    tier: Tier = LocalTier(loc) if "://" not in loc else RemoteTier(loc, storage_options)
+    found = restore_from([tier], None, step, rank, strict=False)
     if found is None:
         raise NoCheckpointError(f"no committed checkpoint at {loc}")
-    result = found[1]
+    result = found.value
     assert isinstance(result, dict)
     return result

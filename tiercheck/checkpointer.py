@@ -23,9 +23,12 @@ from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
 from .restore import restore_from
 from .retention import RetentionPolicy, as_policy
+from .retry import RetryPolicy
 from .staging import HostBufferPool, needs_pinned, stage_into
 from .state import FlatState, flatten_state
+from .tiers.base import Tier
 from .tiers.local import LocalTier
+from .tiers.remote import RemoteTier
 
 __all__ = ["Checkpointer"]
 
@@ -40,13 +43,16 @@ class Checkpointer:
 
     Args:
         local: tier 1, a local directory (ideally NVMe). Created if missing.
-        remote: tier 2, an fsspec URL. Not available in this release: passing it raises
-            `NotImplementedError` rather than silently keeping data on one node only.
-        storage_options: fsspec options for the remote tier.
+        remote: tier 2, an fsspec URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``).
+            With `local`, each step committed on tier 1 is uploaded from the tier-1 files;
+            alone, it is uploaded straight from the host buffer.
+        storage_options: fsspec options for the remote tier (credentials, ``endpoint_url``,
+            client timeouts such as S3's ``config_kwargs``).
         keep_local: retention on tier 1: an int n (keep the n newest committed steps),
             a policy (`KeepLast(3) | KeepEvery(1000)`), or None to keep everything.
             The newest committed step and steps being written are never deleted.
-        keep_remote: the same for tier 2; None (the default) keeps everything.
+        keep_remote: the same for tier 2; None (the default) keeps everything. A step is
+            never deleted from tier 1 while it waits to be uploaded.
         host_buffers: how many staging buffers (each the size of the state) may exist.
             With 1, a `save()` issued while the previous step is still being written
             waits for it (that wait is counted in the stall); 2 lets it proceed at the cost
@@ -57,6 +63,15 @@ class Checkpointer:
         fsync: flush before commit. Off means a power loss may lose or tear steps that
             were already reported committed (a process crash still cannot).
         local_write_rate: cap tier-1 writes at this many bytes/s (None: no cap).
+        remote_write_rate: cap uploads at this many bytes/s (None: no cap).
+        remote_retry_budget: seconds a transient object-store failure (connection refused or
+            reset, timeout, 5xx, throttling) is retried, with exponential backoff and jitter,
+            before the upload is reported failed. Covers an outage of that length.
+        remote_timeout: default connect/read timeout in seconds for S3 clients (put into
+            ``storage_options["config_kwargs"]`` unless you set it there yourself).
+        upload_backlog: when tier 2 falls behind, "newest" (default) uploads only the newest
+            pending step and skips older pending ones, so the backlog (and the tier-1 steps kept
+            for it) stays bounded; "all" uploads every step, in order.
         rank, world_size: this process's place in a multi-rank job (default 0 of 1).
 
     Raises:
@@ -85,40 +100,53 @@ class Checkpointer:
         direct_io: bool = True,
         fsync: bool = True,
         local_write_rate: float | None = None,
+        remote_write_rate: float | None = None,
+        remote_retry_budget: float = 120.0,
+        remote_timeout: float = 30.0,
+        upload_backlog: str = "newest",
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
         if local is None and remote is None:
             raise ValueError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
-        if remote is not None:
-            raise NotImplementedError(
-                "the remote (fsspec) tier is not available in this release of tiercheck; use local=DIR for now"
-            )
         if checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
         if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
         if world_size != 1:
             raise NotImplementedError("multi-rank checkpoints are not available in this release")
-        self._policy = as_policy(keep_local, "keep_local")
-        as_policy(keep_remote, "keep_remote")
-        assert local is not None
-        self._local = LocalTier(local, direct_io=direct_io, fsync=fsync, write_rate=local_write_rate)
-        self._tiers = [self._local]
+        keep_l = as_policy(keep_local, "keep_local")
+        keep_r = as_policy(keep_remote, "keep_remote")
+        self._local = (
+            None if local is None else LocalTier(local, direct_io=direct_io, fsync=fsync, write_rate=local_write_rate)
+        )
+        self._remote = (
+            None
+            if remote is None
+            else RemoteTier(
+                remote,
+                _with_timeouts(remote, storage_options, remote_timeout),
+                retry=RetryPolicy(budget_s=remote_retry_budget),
+                write_rate=remote_write_rate,
+            )
+        )
+        self._tiers: list[Tier] = [t for t in (self._local, self._remote) if t is not None]
         self.rank = rank
         self.world_size = world_size
         self._pool = HostBufferPool(host_buffers)
         self._plans: dict[object, ShardPlan] = {}
         self._lock = threading.RLock()  # save/restore/close are serialised
         self._latest_known: int | None = None
-        self._restored: int | None = None
+        self._branch_point: int | None = None  # the restored step, until the next save
+        self._seen_at_restore: tuple[int, ...] | None = None
         self._closed = False
-        for path in self._local.remove_leftovers():
-            logger.info("removed leftover %s from an interrupted save or deletion", path)
-        self._pipeline = Pipeline(self._local, self._pool, self._policy, checksum)
+        if self._local is not None:
+            for path in self._local.remove_leftovers():
+                logger.info("removed leftover %s from an interrupted save or deletion", path)
+        self._pipeline = Pipeline(self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog)
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
-        self._finalizer = weakref.finalize(self, _finalize, self._pipeline, self._pool, str(local))
+        self._finalizer = weakref.finalize(self, _finalize, self._pipeline, self._pool, str(local or remote))
 
     # -- context manager -------------------------------------------------------------
 
@@ -136,7 +164,7 @@ class Checkpointer:
 
     # -- queries ---------------------------------------------------------------------
 
-    def _tier_list(self, tier: str | None) -> list[LocalTier]:
+    def _tier_list(self, tier: str | None) -> list[Tier]:
         if tier is None:
             return self._tiers
         matches = [t for t in self._tiers if t.name == tier]
@@ -235,39 +263,47 @@ class Checkpointer:
             return handle
 
     def _claim_step(self, step: int) -> None:
-        """Check `step` against existing steps; start a new branch after a restore."""
-        if self._latest_known is not None and step > self._latest_known:
+        """Check that `step` is newer than every known step; after a restore, a step between
+        the restored one and the newest committed one starts a new branch."""
+        if self._latest_known is not None:
+            newest = self._latest_known  # set by this session's saves: no listing needed
+            committed: list[int] = []
+        else:  # first save, or first after a restore
+            committed = self._committed_for_claim()
+            in_flight = self._pipeline.in_flight()
+            newest = max(committed[-1:] + in_flight[-1:], default=-1)
+        branch_point = self._branch_point
+        if step > newest:
+            self._branch_point = None
             return
-        in_flight = self._pipeline.in_flight()
-        if in_flight and step <= in_flight[-1]:
-            raise StepConflictError(f"step {step} is not newer than step {in_flight[-1]}, which is still being saved")
-        committed = self.steps()
-        if self._latest_known is None and committed:
-            self._latest_known = committed[-1]
-        if not committed or step > committed[-1]:
-            return
-        restored = self._restored
-        if restored is None or step <= restored:
-            clash = step if step in committed else committed[-1]
+        if branch_point is None or step <= branch_point or not committed:
             raise StepConflictError(
-                f"cannot save step {step}: step {clash} is already committed on tier "
-                f"'local' ({self._local.path_of(clash)}); steps must increase. To roll back, "
+                f"cannot save step {step}: step {newest} is already committed or being saved "
+                f"({self._tiers[0].path_of(newest)}); steps must increase. To roll back, "
                 f"restore(state, step=K) with K < {step} first: saving after that starts a new "
                 f"branch and discards the steps after K"
             )
-        stale = [s for s in committed if s > restored]
-        self._pipeline.wait_idle()
+        self._branch_point = None
+        stale = [s for s in committed if s > branch_point]
         for t in self._tiers:
+            on_tier = set(t.committed_steps())
             for s in reversed(stale):
-                if s in t.committed_steps():
+                if s in on_tier:
                     t.delete_step(s)
         warnings.warn(
-            f"tiercheck: step {step} starts a new branch after restored step {restored}; "
+            f"tiercheck: step {step} starts a new branch after restored step {branch_point}; "
             f"deleted the abandoned steps {stale}",
             RuntimeWarning,
             stacklevel=3,
         )
-        self._latest_known = restored
+
+    def _committed_for_claim(self) -> list[int]:
+        """Committed steps for the step-order check, without blocking on a down object store:
+        what the last restore saw if there was one, else the fastest tier's listing."""
+        if self._seen_at_restore is not None:
+            seen, self._seen_at_restore = list(self._seen_at_restore), None
+            return seen
+        return self._tiers[0].committed_steps()
 
     # -- sync points -----------------------------------------------------------------
 
@@ -349,10 +385,22 @@ class Checkpointer:
             found = restore_from(self._tiers, state, step, self.rank)
             if found is None:
                 return None
-            restored = found[0]
-            self._restored = restored
-            self._latest_known = None  # re-derive from disk at the next save
-            return restored
+            self._branch_point = found.step
+            self._seen_at_restore = found.committed
+            self._latest_known = None  # re-derived at the next save
+            return found.step
+
+
+def _with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
+    """Bound S3 client calls: botocore's defaults (60 s reads, retries inside) stall for minutes."""
+    opts = dict(options or {})
+    if url.startswith(("s3://", "s3a://")):
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout)
+        config.setdefault("read_timeout", timeout)
+        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
+        opts["config_kwargs"] = config
+    return opts
 
 
 def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str) -> None:

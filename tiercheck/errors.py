@@ -10,6 +10,7 @@ __all__ = [
     "TierError",
     "TiercheckError",
     "UnsupportedStateError",
+    "UploadSkippedError",
 ]
 
 
@@ -35,6 +36,11 @@ class StateMismatchError(TiercheckError, ValueError):
 
 class StepConflictError(TiercheckError, FileExistsError):
     """`save()` was asked for a step that is not newer than existing or pending steps."""
+
+
+class UploadSkippedError(TiercheckError):
+    """Raised by `SaveHandle.wait("remote")` for a step that will never reach tier 2: a newer
+    step superseded it while uploads were behind, or it failed on tier 1 first."""
 
 
 class TierError(TiercheckError, OSError):

@@ -30,7 +30,7 @@ class SaveHandle:
         self.tiers = tuple(tiers)
         self.stats = SaveStats(step=step)
         self._events = {t: threading.Event() for t in self.tiers}
-        self._errors: dict[str, TierError] = {}
+        self._errors: dict[str, TiercheckError] = {}
         self._on_error_seen = on_error_seen
 
     def __repr__(self) -> str:
@@ -55,6 +55,8 @@ class SaveHandle:
 
         Raises:
             TierError: the step failed on that tier (raised here, and not again later).
+            UploadSkippedError: the step will never reach tier 2 (superseded by a newer step
+                while uploads were behind, or it failed on tier 1).
             WaitTimeoutError: `timeout` seconds passed first.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -64,12 +66,13 @@ class SaveHandle:
                 raise WaitTimeoutError(f"step {self.step} not durable on tier {t!r} after {timeout}s")
             err = self._errors.get(t)
             if err is not None:
-                self._on_error_seen(err)
+                if isinstance(err, TierError):
+                    self._on_error_seen(err)
                 raise err
 
     # -- called by the pipeline --------------------------------------------------
 
-    def _finish(self, tier: str, error: TierError | None = None) -> None:
+    def _finish(self, tier: str, error: TiercheckError | None = None) -> None:
         if error is not None:
             self._errors[tier] = error
         self._events[tier].set()

@@ -323,7 +323,7 @@ def _check_tree(node: object, entries: tuple[Entry, ...], where: str, depth: int
 
 
 def _is_int_text(v: str) -> bool:
-    if not 0 < len(v) <= 32:
+    if not 0 < len(v) <= _MAX_INT_DIGITS:
         return False
     try:
         int(v)

@@ -1,39 +1,57 @@
 """Background work: the only module that starts threads.
 
-One writer thread per tier-1 `Tier` drains a FIFO of staged saves. For each step it
-checksums the host buffer on a helper thread while it writes the shard (both release
-the GIL, and CRC-32C runs ~7x faster than the disk, so the checksum never limits the
-save), then writes the manifest and the commit marker, releases the host buffer, and
-applies retention. Errors are captured and handed to the caller's thread once.
+Two workers, one per tier, each draining its own queue:
+
+* the tier-1 writer takes staged saves in order. For each step it checksums the host
+  buffer on a helper thread while it writes the shard (both release the GIL, and CRC-32C
+  runs ~7x faster than the disk, so the checksum never limits the save), then writes the
+  manifest and the commit marker, returns the host buffer to the pool, hands the step to
+  the uploader and applies tier-1 retention;
+* the uploader copies committed tier-1 steps to tier 2 (shards, manifest, marker last),
+  or, without a tier 1, writes staged saves straight from the host buffer. When it falls
+  behind, it uploads only the newest pending step (``upload_backlog="newest"``).
+
+Errors are captured and handed to the caller's thread exactly once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import layout
 from .checksum import checksum_function
-from .errors import TierError
+from .errors import TiercheckError, TierError, UploadSkippedError
 from .events import emit, logger
 from .handle import SaveHandle
-from .manifest import Manifest, ManifestRef, Marker, build_entries, encode_manifest, encode_marker
+from .manifest import (
+    Manifest,
+    ManifestRef,
+    Marker,
+    build_entries,
+    decode_manifest,
+    decode_marker,
+    encode_manifest,
+    encode_marker,
+)
 from .planner import ShardPlan
 from .retention import RetentionPolicy, plan_deletions
 from .staging import HostBuffer, HostBufferPool
 from .state import JsonNode, Leaf
 from .tiers.base import Tier
 
+MAX_META_BYTES = 1 << 30
+BACKLOG_POLICIES = ("newest", "all")
+
 
 @dataclass(frozen=True, slots=True)
 class StagedSave:
-    """Everything the writer needs for one step; the buffer is the pipeline's until done."""
+    """Everything a writer needs for one step; the buffer is the pipeline's until written."""
 
     step: int
     rank: int
@@ -46,50 +64,115 @@ class StagedSave:
     returned_at: float  # monotonic time save() returned
 
 
+@dataclass(frozen=True, slots=True)
+class _Upload:
+    """Copy a step committed on tier 1 to tier 2."""
+
+    step: int
+    rank: int
+    handle: SaveHandle | None  # None: a catch-up upload of a step from an earlier run
+    returned_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Prune:
+    """Apply tier-1 retention again (an upload finished, so a step lost its protection)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _CatchUp:
+    """Upload the newest tier-1 step if an earlier run never uploaded it."""
+
+
 _STOP = object()
 
 
+class _Worker:
+    """A thread draining a deque; `run_one` does the work for one item."""
+
+    def __init__(self, name: str, run_one: Callable[[object], None]) -> None:
+        self.queue: deque[object] = deque()
+        self.cond = threading.Condition()
+        self._run_one = run_one
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, item: object) -> None:
+        with self.cond:
+            self.queue.append(item)
+            self.cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: bool(self.queue))
+                item = self.queue.popleft()
+            if item is _STOP:
+                return
+            self._run_one(item)
+
+
+@dataclass(slots=True)
+class _Track:
+    handle: SaveHandle
+    remaining: set[str] = field(default_factory=set)
+
+
 class Pipeline:
-    """Owns the writer thread, the checksum helper, and the error mailbox."""
+    """Owns the workers, the checksum helper, per-step progress and the error mailbox."""
 
     def __init__(
         self,
-        tier: Tier,
+        local: Tier | None,
+        remote: Tier | None,
         pool: HostBufferPool,
-        retention: RetentionPolicy,
+        keep_local: RetentionPolicy,
+        keep_remote: RetentionPolicy,
         checksum: str,
+        upload_backlog: str = "newest",
     ) -> None:
-        self.tier = tier
+        if upload_backlog not in BACKLOG_POLICIES:
+            raise ValueError(f"upload_backlog must be one of {BACKLOG_POLICIES}, got {upload_backlog!r}")
+        self.local = local
+        self.remote = remote
         self._pool = pool
-        self._retention = retention
+        self._keep = {"local": keep_local, "remote": keep_remote}
+        self._backlog = upload_backlog
         self._checksum_name = checksum
         self._checksum = checksum_function(checksum)
-        self._queue: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._pending: dict[int, StagedSave] = {}
+        self._tracks: dict[int, _Track] = {}
+        self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
         self._errors: list[TierError] = []
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-checksum")
-        self._thread = threading.Thread(target=self._run, name="tiercheck-writer", daemon=True)
-        self._thread.start()
         self._closed = False
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-checksum")
+        self._writer = _Worker("tiercheck-writer", self._run_local) if local is not None else None
+        self._uploader = _Worker("tiercheck-uploader", self._run_remote) if remote is not None else None
+        if local is not None and remote is not None:
+            self._uploader_put(_CatchUp())
 
     # -- caller side -------------------------------------------------------------
 
     def submit(self, job: StagedSave) -> None:
+        tiers = {t.name for t in (self.local, self.remote) if t is not None}
         with self._lock:
             if self._closed:
                 raise RuntimeError("the checkpointer is closed")
-            self._pending[job.step] = job
-        self._queue.put(job)
+            self._tracks[job.step] = _Track(job.handle, set(tiers))
+        if self._writer is not None:
+            self._writer.put(job)
+        else:
+            self._uploader_put(job)
 
-    def in_flight(self) -> list[int]:
+    def in_flight(self, tier: str | None = None) -> list[int]:
+        """Steps not yet finished on `tier` (on any tier if None)."""
         with self._lock:
-            return sorted(self._pending)
+            return sorted(s for s, t in self._tracks.items() if tier is None or tier in t.remaining)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         with self._idle:
-            return self._idle.wait_for(lambda: not self._pending, timeout)
+            return self._idle.wait_for(lambda: not self._tracks, timeout)
 
     def take_errors(self) -> list[TierError]:
         with self._lock:
@@ -106,43 +189,171 @@ class Pipeline:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(_STOP)
-        self._thread.join(timeout)
+        for worker in (self._writer, self._uploader):
+            if worker is not None:
+                worker.put(_STOP)
+        for worker in (self._writer, self._uploader):
+            if worker is not None:
+                worker.thread.join(timeout)
         self._hasher.shutdown(wait=True)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    # -- bookkeeping -----------------------------------------------------------------
 
-    # -- writer thread -------------------------------------------------------------
+    def _finish(self, step: int, tier: str, error: TiercheckError | None = None) -> None:
+        with self._lock:
+            track = self._tracks.get(step)
+            if isinstance(error, TierError):
+                self._errors.append(error)
+            if track is not None:
+                track.handle._finish(tier, error)
+                track.remaining.discard(tier)
+                if not track.remaining:
+                    del self._tracks[step]
+                    emit(track.handle.stats)
+            self._idle.notify_all()
+        if isinstance(error, TierError):
+            logger.error("%s", error)
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is _STOP:
-                return
-            assert isinstance(job, StagedSave)
+    def _uploader_put(self, item: object) -> None:
+        assert self._uploader is not None
+        self._uploader.put(item)
+
+    # -- tier-1 writer ---------------------------------------------------------------
+
+    def _run_local(self, item: object) -> None:
+        tier = self.local
+        assert tier is not None
+        if isinstance(item, _Prune):
+            self._report(self._prune(tier, None))
+            return
+        assert isinstance(item, StagedSave)
+        error: TierError | None = None
+        try:
+            self._write_staged(tier, item)
+        except Exception as exc:
+            error = tier_error(exc, item.step, tier, "writing")
+        finally:
+            self._pool.release(item.buffer)
+        item.handle.stats.tier_s[tier.name] = time.monotonic() - item.returned_at
+        if error is None and self.remote is not None:
+            self._uploader_put(_Upload(item.step, item.rank, item.handle, item.returned_at))
+        elif self.remote is not None:
+            self._finish(
+                item.step, self.remote.name, UploadSkippedError(f"step {item.step} failed on tier 1; not uploaded")
+            )
+        self._finish(item.step, tier.name, error)
+        if error is None:
+            self._report(self._prune(tier, item.step))
+
+    def _report(self, error: TierError | None) -> None:
+        if error is not None:
+            with self._lock:
+                self._errors.append(error)
+            logger.error("%s", error)
+
+    # -- tier-2 uploader -------------------------------------------------------------
+
+    def _run_remote(self, item: object) -> None:
+        tier = self.remote
+        assert tier is not None
+        if isinstance(item, _CatchUp):
+            self._catch_up(tier)
+            return
+        if isinstance(item, StagedSave):  # no tier 1: straight from the host buffer
             error: TierError | None = None
             try:
-                self._write(job)
+                self._write_staged(tier, item)
             except Exception as exc:
-                error = _tier_error(exc, job.step, self.tier, "writing")
+                error = tier_error(exc, item.step, tier, "uploading")
             finally:
-                self._pool.release(job.buffer)
-            job.handle.stats.tier_s[self.tier.name] = time.monotonic() - job.returned_at
+                self._pool.release(item.buffer)
+            item.handle.stats.tier_s[tier.name] = time.monotonic() - item.returned_at
+            self._finish(item.step, tier.name, error)
             if error is None:
-                error = self._prune(job.step)
+                self._report(self._prune(tier, item.step))
+            return
+        assert isinstance(item, _Upload)
+        if self._backlog == "newest" and self._newer_upload_queued(item.step):
+            if item.handle is not None:
+                self._finish(
+                    item.step,
+                    tier.name,
+                    UploadSkippedError(
+                        f"step {item.step} was not uploaded to tier {tier.name!r}: a newer step was "
+                        "committed first while uploads were behind (upload_backlog='newest')"
+                    ),
+                )
+            self._request_local_prune()
+            return
+        error = None
+        with self._lock:
+            self._uploading = item.step
+        try:
+            self._copy_from_local(item.step, item.rank)
+        except Exception as exc:
+            error = tier_error(exc, item.step, tier, "uploading")
+        finally:
             with self._lock:
-                if error is not None:
-                    self._errors.append(error)
-                del self._pending[job.step]
-                job.handle._finish(self.tier.name, error)
-                self._idle.notify_all()
-            if error is not None:
-                logger.error("%s", error)
-            emit(job.handle.stats)
+                self._uploading = None
+        if item.handle is not None:
+            item.handle.stats.tier_s[tier.name] = time.monotonic() - item.returned_at
+            self._finish(item.step, tier.name, error)
+        elif error is not None:
+            self._report(error)
+        if error is None:
+            self._report(self._prune(tier, item.step))
+        self._request_local_prune()  # the step is off tier 1's protection list now
 
-    def _write(self, job: StagedSave) -> None:
+    def _newer_upload_queued(self, step: int) -> bool:
+        assert self._uploader is not None
+        with self._uploader.cond:
+            return any(isinstance(q, _Upload) and q.step > step for q in self._uploader.queue)
+
+    def _request_local_prune(self) -> None:
+        if self._writer is not None:
+            self._writer.put(_Prune())
+
+    def _catch_up(self, tier: Tier) -> None:
+        """Upload the newest tier-1 step if an earlier run committed it but never uploaded it."""
+        assert self.local is not None
+        try:
+            local_steps = self.local.committed_steps()
+            if not local_steps:
+                return
+            remote_steps = tier.committed_steps()
+        except Exception as exc:
+            logger.warning("tiercheck: could not compare tiers at start-up: %r", exc)
+            return
+        newest = local_steps[-1]
+        if remote_steps and remote_steps[-1] >= newest:
+            return
+        with self._lock:
+            if newest in self._tracks:
+                return
+        logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", newest)
+        self._uploader_put(_Upload(newest, 0, None, time.monotonic()))
+
+    def _copy_from_local(self, step: int, rank: int) -> None:
+        src, dst = self.local, self.remote
+        assert src is not None and dst is not None
+        marker_bytes = src.read_bytes(step, layout.COMMIT_NAME, MAX_META_BYTES)
+        marker = decode_marker(marker_bytes, src.path_of(step, layout.COMMIT_NAME))
+        ref = marker.manifests[rank]
+        manifest_bytes = src.read_bytes(step, ref.file, ref.length)
+        manifest = decode_manifest(manifest_bytes, src.path_of(step, ref.file))
+        writer = dst.open_step(step, rank)
+        try:
+            for name, _size in manifest.files:
+                writer.write_from_path(name, src.path_of(step, name))
+            writer.write_file(ref.file, memoryview(manifest_bytes))
+            writer.commit(marker_bytes)
+        except BaseException:
+            writer.abort()
+            raise
+
+    # -- shared ------------------------------------------------------------------------
+
+    def _write_staged(self, tier: Tier, job: StagedSave) -> None:
         shard = layout.shard_name(job.rank, job.world_size)
         futures: list[Future[str] | str] = []
         for leaf, off in zip(job.leaves, job.plan.offsets, strict=True):
@@ -150,7 +361,7 @@ class Pipeline:
                 futures.append("")  # filled from the first leaf below
             else:
                 futures.append(self._hasher.submit(self._checksum, job.buffer.view(off + leaf.nbytes)[off:]))
-        writer = self.tier.open_step(job.step, job.rank)
+        writer = tier.open_step(job.step, job.rank)
         try:
             writer.write_file(shard, job.buffer.view(job.plan.total_bytes), job.buffer.aligned)
             sums = [f if isinstance(f, str) else f.result() for f in futures]
@@ -184,34 +395,34 @@ class Pipeline:
             writer.abort()
             raise
 
-    def _prune(self, newest: int) -> TierError | None:
+    def _prune(self, tier: Tier, newest: int | None) -> TierError | None:
         try:
-            committed = self.tier.committed_steps()
-            doomed = plan_deletions(committed, self._retention, in_flight=self.in_flight())
+            committed = tier.committed_steps()
+            if tier is self.local:  # steps still to be uploaded stay on tier 1
+                protected = self.in_flight()
+                with self._lock:
+                    if self._uploading is not None:
+                        protected.append(self._uploading)
+            else:
+                protected = self.in_flight(tier.name)
+            doomed = plan_deletions(committed, self._keep[tier.name], in_flight=protected)
             for step in doomed:
-                self.tier.delete_step(step)
-                logger.debug("retention deleted step %d from tier %s", step, self.tier.name)
+                tier.delete_step(step)
+                logger.debug("retention deleted step %d from tier %s", step, tier.name)
         except Exception as exc:
-            return _tier_error(exc, newest, self.tier, "applying retention after")
+            return tier_error(exc, newest, tier, "applying retention after")
         return None
 
 
-def _tier_error(exc: BaseException, step: int, tier: Tier, doing: str) -> TierError:
-    path = getattr(exc, "filename", None) or tier.path_of(step)
+def tier_error(exc: BaseException, step: int | None, tier: Tier, doing: str) -> TierError:
+    path = getattr(exc, "filename", None) or (tier.path_of(step) if step is not None else tier.location)
+    what = f"step {step}" if step is not None else "a step"
     err = TierError(
-        f"tier {tier.name!r} failed {doing} step {step} at {path}: "
-        f"{type(exc).__name__}: {exc}. Earlier committed steps are intact.",
+        f"tier {tier.name!r} failed {doing} {what} at {path}: {type(exc).__name__}: {exc}. "
+        "Earlier committed steps are intact.",
         step=step,
         tier=tier.name,
         path=str(path),
     )
     err.__cause__ = exc
     return err
-
-
-def run_quietly(fn: Callable[[], object]) -> None:
-    """For interpreter-exit hooks: never raise."""
-    try:
-        fn()
-    except Exception:  # pragma: no cover
-        logging.getLogger("tiercheck").exception("tiercheck exit hook failed")

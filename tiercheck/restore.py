@@ -304,21 +304,49 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
     return produce()
 
 
+@dataclass(frozen=True, slots=True)
+class Restored:
+    step: int
+    value: object
+    committed: tuple[int, ...]  # every committed step seen on any tier
+
+
+def list_committed(tiers: Sequence[Tier]) -> dict[int, list[Tier]]:
+    """Committed steps and the tiers holding each, fastest tier first.
+
+    A tier that cannot be listed (object store down) is skipped with a warning as long as
+    another tier answers; if none does, the first error is raised.
+    """
+    holders: dict[int, list[Tier]] = {}
+    failures: list[BaseException] = []
+    for tier in tiers:
+        try:
+            steps = tier.committed_steps()
+        except Exception as exc:
+            failures.append(exc)
+            warnings.warn(
+                f"tiercheck: cannot list tier {tier.name!r} ({tier.location}): {exc!r}", RuntimeWarning, stacklevel=3
+            )
+            continue
+        for s in steps:
+            holders.setdefault(s, []).append(tier)
+    if failures and len(failures) == len(tiers):
+        raise failures[0]
+    return holders
+
+
 def restore_from(
     tiers: Sequence[Tier],
     template: object,
     step: int | None,
     rank: int,
     strict: bool = True,
-) -> tuple[int, object] | None:
+) -> Restored | None:
     """Restore the newest verifiable step (or exactly `step`) from the fastest tier having it.
 
     Returns None when no tier has any committed step.
     """
-    holders: dict[int, list[Tier]] = {}
-    for tier in tiers:
-        for s in tier.committed_steps():
-            holders.setdefault(s, []).append(tier)
+    holders = list_committed(tiers)
     if step is not None:
         if step not in holders:
             where = ", ".join(f"{t.name}={t.location}" for t in tiers)
@@ -332,12 +360,14 @@ def restore_from(
     for s in candidates:
         for tier in holders[s]:
             try:
-                return s, read_step(tier, s, rank, template, strict)
+                value = read_step(tier, s, rank, template, strict)
+                return Restored(s, value, tuple(sorted(holders)))
             except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
                 failures.append(f"step {s} on tier {tier.name!r}: {exc}")
-                if step is None:
+                if step is None or tier is not holders[s][-1]:
                     warnings.warn(
-                        f"tiercheck: skipping step {s} on tier {tier.name!r}: {exc}",
+                        f"tiercheck: cannot restore step {s} from tier {tier.name!r}: {exc}; "
+                        + ("trying the next tier" if tier is not holders[s][-1] else "trying an older step"),
                         RuntimeWarning,
                         stacklevel=3,
                     )

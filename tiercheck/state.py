@@ -65,6 +65,13 @@ def decode_float(text: str) -> float:
     return float.fromhex(text)
 
 
+def _int_text(value: int, path: str) -> str:
+    try:
+        return str(value)
+    except ValueError:  # over Python's int-to-str digit limit; readers could not parse it either
+        raise UnsupportedStateError(f"{path}: integer has more than 4300 digits") from None
+
+
 def flatten_state(state: Mapping[Any, Any]) -> FlatState:
     """Flatten `state` for `save()`.
 
@@ -100,7 +107,7 @@ class _Flattener:
         if kind is bool:
             return {"t": "bool", "v": value}
         if kind is int:
-            return {"t": "int", "v": str(value)}
+            return {"t": "int", "v": _int_text(value, path)}  # type: ignore[arg-type]
         if kind is float:
             return {"t": "float", "v": encode_float(value)}  # type: ignore[arg-type]
         if kind is str:
@@ -139,7 +146,7 @@ class _Flattener:
                     if type(k) is str:
                         keys.append(["s", k])
                     elif type(k) is int:
-                        keys.append(["i", str(k)])
+                        keys.append(["i", _int_text(k, key_path(path, k))])
                     else:
                         raise UnsupportedStateError(
                             f"{key_path(path, k)}: dict keys must be str or int, got {type(k).__name__}"

@@ -20,6 +20,7 @@ listed and readable. Before `commit` returns, `committed_steps()` never lists it
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 
@@ -30,6 +31,23 @@ class StepWriter(ABC):
     def write_file(self, name: str, data: memoryview, aligned: bool = False) -> None:
         """Write the whole file `name` of this step. `aligned` promises that `data` starts
         on a page boundary and its length is a multiple of 4096 (O_DIRECT may be used)."""
+
+    def write_from_path(self, name: str, local_path: str) -> None:
+        """Write file `name` with the contents of the local file `local_path` (streamed
+        where the tier can; this default maps the file and calls `write_file`)."""
+        import mmap
+
+        with open(local_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                self.write_file(name, memoryview(b""))
+                return
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+                view = memoryview(m)
+                try:
+                    self.write_file(name, view)
+                finally:
+                    view.release()
 
     @abstractmethod
     def commit(self, marker: bytes) -> None:

@@ -1,0 +1,220 @@
+"""Tier 2: any fsspec location (s3://, gs://, az://, file://, memory://).
+
+Object stores have no rename and no fsync, so visibility rests on ordering alone: a
+step's shard files go first, then its manifest, and the commit marker last. A step whose
+upload was cut midway has no marker and is never listed. Deletion removes the marker
+first. Every call is retried on transient errors (see `retry.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import fsspec
+
+from .. import layout
+from ..errors import CheckpointCorruptedError
+from ..retry import RetryPolicy
+from ..throttle import RateLimiter
+from .base import ReadableFile, StepWriter, Tier
+
+T = TypeVar("T")
+logger = logging.getLogger("tiercheck")
+
+
+class RemoteTier(Tier):
+    """A tier on an fsspec URL.
+
+    Args:
+        url: the root, e.g. ``s3://bucket/run7``.
+        storage_options: passed to fsspec (credentials, ``endpoint_url``, client config).
+            A fresh filesystem instance is created (``skip_instance_cache``), so credentials
+            are never served from a stale cached client.
+        retry: backoff and time budget for transient errors.
+        block_size: bytes per streamed write (multipart part size on S3).
+        write_rate: optional cap in bytes/s for uploads.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        name: str = "remote",
+        retry: RetryPolicy | None = None,
+        block_size: int = 16 << 20,
+        write_rate: float | None = None,
+    ) -> None:
+        opts = dict(storage_options or {})
+        opts.setdefault("skip_instance_cache", True)
+        if url.startswith(("file://", "local://")):
+            opts.setdefault("auto_mkdir", True)  # object stores have no directories to create
+        self.fs, root = fsspec.core.url_to_fs(url, **opts)
+        self.root = root.rstrip("/")
+        self.name = name
+        self.location = url
+        self.retry = retry or RetryPolicy()
+        self.block_size = block_size
+        self.limiter = RateLimiter(write_rate)
+        self.stopping = threading.Event()  # set on close: stop retrying
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        def log(exc: BaseException, attempt: int, delay: float) -> None:
+            logger.warning(
+                "tier %r: %s failed (attempt %d: %r); retrying in %.1fs", self.name, what, attempt, exc, delay
+            )
+
+        return self.retry.run(fn, on_retry=log, stop=self.stopping.is_set)
+
+    def _path(self, step: int, name: str | None = None) -> str:
+        d = f"{self.root}/{layout.step_dir_name(step)}"
+        return d if name is None else f"{d}/{name}"
+
+    def path_of(self, step: int, name: str | None = None) -> str:
+        return f"{self.location.rstrip('/')}/{layout.step_dir_name(step)}" + ("" if name is None else f"/{name}")
+
+    def committed_steps(self) -> list[int]:
+        def listing() -> list[str]:
+            self.fs.invalidate_cache(self.root)
+            try:
+                found: list[str] = self.fs.find(self.root)
+            except FileNotFoundError:
+                return []
+            return found
+
+        steps = set()
+        prefix = self.root + "/"
+        for path in self._call(f"listing {self.location}", listing):
+            rel = path.lstrip("/")[len(prefix.lstrip("/")) :] if path.lstrip("/").startswith(prefix.lstrip("/")) else ""
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1] == layout.COMMIT_NAME:
+                step = layout.parse_step_dir(parts[0])
+                if step is not None:
+                    steps.add(step)
+        return sorted(steps)
+
+    def open_step(self, step: int, rank: int) -> StepWriter:
+        return _RemoteStepWriter(self, step)
+
+    def read_bytes(self, step: int, name: str, limit: int) -> bytes:
+        path = self._path(step, name)
+        data: bytes = self._call(f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=limit + 1))
+        if len(data) > limit:
+            raise CheckpointCorruptedError(f"{self.path_of(step, name)}: larger than the {limit}-byte limit")
+        return data
+
+    def open_file(self, step: int, name: str) -> ReadableFile:
+        path = self._path(step, name)
+        info = self._call(f"stat {path}", lambda: self.fs.info(path))
+        return _RemoteFile(self, path, int(info["size"]))
+
+    def delete_step(self, step: int) -> None:
+        marker = self._path(step, layout.COMMIT_NAME)
+
+        def rm_marker() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(marker)
+
+        self._call(f"deleting {marker}", rm_marker)
+        step_dir = self._path(step)
+
+        def rm_rest() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(step_dir, recursive=True)
+
+        self._call(f"deleting {step_dir}", rm_rest)
+
+    def remove_leftovers(self) -> list[str]:
+        return []  # object stores hold no temp names; an unmarked step is simply never listed
+
+    # -- writing ---------------------------------------------------------------------
+
+    def put_bytes(self, path: str, data: memoryview) -> None:
+        def put() -> None:
+            if len(data) <= self.block_size:
+                self.limiter.consume(len(data))
+                self.fs.pipe_file(path, bytes(data))
+                return
+            with self.fs.open(path, "wb", block_size=self.block_size) as f:
+                for pos in range(0, len(data), self.block_size):
+                    chunk = data[pos : pos + self.block_size]
+                    self.limiter.consume(len(chunk))
+                    f.write(chunk)
+
+        self._call(f"uploading {path}", put)
+
+    def put_local_file(self, path: str, local_path: str) -> None:
+        def put() -> None:
+            with open(local_path, "rb") as src, self.fs.open(path, "wb", block_size=self.block_size) as f:
+                while True:
+                    chunk = src.read(self.block_size)
+                    if not chunk:
+                        break
+                    self.limiter.consume(len(chunk))
+                    f.write(chunk)
+
+        self._call(f"uploading {local_path} to {path}", put)
+
+
+class _RemoteStepWriter(StepWriter):
+    def __init__(self, tier: RemoteTier, step: int) -> None:
+        self._tier = tier
+        self._step = step
+        self._written: list[str] = []
+
+    def write_file(self, name: str, data: memoryview, aligned: bool = False) -> None:
+        path = self._tier._path(self._step, name)
+        self._written.append(path)
+        self._tier.put_bytes(path, data)
+
+    def write_from_path(self, name: str, local_path: str) -> None:
+        path = self._tier._path(self._step, name)
+        self._written.append(path)
+        self._tier.put_local_file(path, local_path)
+
+    def commit(self, marker: bytes) -> None:
+        path = self._tier._path(self._step, layout.COMMIT_NAME)
+        self._tier.put_bytes(path, memoryview(marker))
+
+    def abort(self) -> None:
+        for path in self._written:
+            try:
+                self._tier.fs.rm_file(path)
+            except Exception:  # best effort: an unmarked step is invisible anyway
+                logger.debug("tier %r: could not remove %s after a failed upload", self._tier.name, path)
+
+
+class _RemoteFile(ReadableFile):
+    def __init__(self, tier: RemoteTier, path: str, size: int) -> None:
+        self._tier = tier
+        self._path = path
+        self.size = size
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        pos, total, step = 0, len(dest), 64 << 20
+        while pos < total:
+            n = min(step, total - pos)
+            start = offset + pos
+
+            def fetch(s: int = start, n: int = n) -> bytes:
+                data: bytes = self._tier.fs.cat_file(self._path, start=s, end=s + n)
+                return data
+
+            data = self._tier._call(f"reading {self._path}", fetch)
+            if len(data) != n:
+                raise EOFError(f"{self._path}: file ends before byte {start + n}")
+            dest[pos : pos + n] = data
+            pos += n
+
+    def close(self) -> None:
+        pass
+
+
+def is_local_url(location: str | os.PathLike[str]) -> bool:
+    text = os.fspath(location)
+    return "://" not in text
