@@ -24,7 +24,7 @@ if [[ -z "$PY" ]]; then
     echo "run_demo.sh: no 'python' on PATH (activate the venv first)" >&2
     exit 2
 fi
-if ! python -c "import tiercheck" 2>/dev/null; then
+if ! python -c "import tiercheck" > /dev/null; then
     echo "run_demo.sh: 'import tiercheck' fails with $PY (install the package first)" >&2
     exit 2
 fi
@@ -69,8 +69,15 @@ for _ in $(seq 1 600); do
 done
 sleep "$KILL_AFTER"
 if ! kill -0 "$CHILD" 2>/dev/null; then
-    cat "$TMP/killed.log" >&2
-    echo "FAIL: the run finished (or died) before it could be killed; lower KILL_AFTER" >&2
+    rc=0
+    wait "$CHILD" || rc=$?
+    CHILD=""
+    tail -n 20 "$TMP/killed.log" >&2
+    if [[ "$rc" -ne 0 ]]; then
+        echo "FAIL: the run died on its own (exit status $rc) before it was killed" >&2
+    else
+        echo "FAIL: the run finished before it could be killed; lower KILL_AFTER" >&2
+    fi
     exit 1
 fi
 kill -9 "$CHILD"
@@ -116,6 +123,11 @@ if [[ -z "$resumed_from" ]]; then
 fi
 if (( resumed_from > killed_at )); then
     echo "FAIL: resumed from step $resumed_from, but the killed run only reached $killed_at" >&2
+    exit 1
+fi
+if (( resumed_from >= STEPS )); then
+    echo "FAIL: resumed from the final step $resumed_from, so nothing was left to compare;" \
+        "lower KILL_AFTER or raise STEPS" >&2
     exit 1
 fi
 if (( resumed_from % EVERY != 0 )); then

@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         start = 1
         if restored is not None:
             if state["step"] != restored:
-                raise RuntimeError(
-                    f"restore returned {restored} but state['step'] is {state['step']}"
-                )
+                raise RuntimeError(f"restore returned {restored} but state['step'] is {state['step']}")
             torch.set_rng_state(state["rng"]["torch"])  # type: ignore[index]
             start = restored + 1
             print(f"resumed from step {restored}", flush=True)
