@@ -180,11 +180,6 @@ class SelfReferencing:
         pass
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a state nested deeper than the recursion limit (or a stateful object whose "
-    "state_dict() contains itself) escapes save() as a raw RecursionError, not a TiercheckError",
-)
 @pytest.mark.parametrize("state", [{"a": _deep(2000)}, {"a": SelfReferencing()}], ids=["deep", "self_ref"])
 def test_pathologically_deep_state_is_rejected_as_unsupported(committed, ckpt_dir, dir_snapshot, state):
     ckpt, before = committed

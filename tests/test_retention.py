@@ -105,11 +105,6 @@ def test_keep_local_2_leaves_the_last_two_steps(make_ckpt, ckpt_dir):
     assert tiercheck.load(ckpt_dir)["step"] == 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Pipeline._run_local calls _finish() (which releases wait()) before _prune(), "
-    "so Checkpointer.wait() can return before retention ran for the last step",
-)
 def test_wait_returns_only_after_retention_ran(make_ckpt, ckpt_dir, monkeypatch):
     original = LocalTier.delete_step
 
@@ -188,11 +183,6 @@ def test_deletion_removes_the_marker_before_the_data(make_ckpt, ckpt_dir, monkey
     assert tiercheck.load(ckpt_dir)["step"] == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a half-deleted step directory (marker gone, data left, as after a crash "
-    "during deletion) blocks saving that step again: commit raises FileExistsError",
-)
 def test_a_half_deleted_step_can_be_saved_again(make_ckpt, ckpt_dir, monkeypatch):
     ckpt = make_ckpt(keep_local=None)
     saved_and_closed(ckpt, [1, 2, 3])

@@ -587,11 +587,6 @@ def test_shape_or_dtype_mismatch_names_the_path_and_changes_nothing(make_ckpt, b
     assert torch.equal(bad, torch.zeros_like(bad))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a module whose state_dict mismatches is partly overwritten before "
-    "load_state_dict rejects it (read_step promises 'nothing was read' on StateMismatchError)",
-)
 def test_module_mismatch_leaves_the_module_untouched(make_ckpt):
     torch.manual_seed(0)
     ckpt = make_ckpt()
@@ -605,11 +600,6 @@ def test_module_mismatch_leaves_the_module_untouched(make_ckpt):
         assert torch.equal(other.state_dict()[k], v), k
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a non-contiguous numpy template of the right dtype and shape raises "
-    "StateMismatchError ('template array is float64 (3,), checkpoint has float64 (3,)')",
-)
 def test_non_contiguous_numpy_template_is_filled(make_ckpt):
     ckpt = make_ckpt()
     ckpt.save(1, {"a": np.arange(3.0)}).wait()

@@ -21,10 +21,10 @@ COMMIT_NAME = "COMMIT"
 TMP_PREFIX = ".tiercheck-tmp-"
 TRASH_PREFIX = ".tiercheck-trash-"
 
-_STEP_RE = re.compile(r"^step-(\d{12,})$")
-_TMP_RE = re.compile(r"^\.tiercheck-tmp-step-\d{12,}-r\d{5,}-[0-9a-f]{16}$")
-_TRASH_RE = re.compile(r"^\.tiercheck-trash-step-\d{12,}-[0-9a-f]{16}$")
-_SHARD_RE = re.compile(r"^rank-(\d{5,})-of-(\d{5,})\.shard$")
+_STEP_RE = re.compile(r"step-([0-9]{12,})", re.ASCII)
+_TMP_RE = re.compile(r"\.tiercheck-tmp-step-[0-9]{12,}-r[0-9]{5,}-[0-9a-f]{16}", re.ASCII)
+_TRASH_RE = re.compile(r"\.tiercheck-trash-step-[0-9]{12,}-[0-9a-f]{16}", re.ASCII)
+_SHARD_RE = re.compile(r"rank-([0-9]{5,})-of-([0-9]{5,})\.shard", re.ASCII)
 
 
 def step_dir_name(step: int) -> str:
@@ -34,8 +34,11 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     """The step a directory name denotes, or None if the name is not a step directory."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    m = _STEP_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir_name(step) == name else None  # only the canonical spelling
 
 
 def shard_name(rank: int, world_size: int) -> str:
@@ -56,9 +59,13 @@ def trash_dir_name(step: int) -> str:
 
 def is_leftover(name: str) -> bool:
     """True for temp and trash directories a crashed writer may leave behind."""
-    return bool(_TMP_RE.match(name) or _TRASH_RE.match(name))
+    return bool(_TMP_RE.fullmatch(name) or _TRASH_RE.fullmatch(name))
 
 
 def is_safe_file_name(name: str) -> bool:
     """A manifest may only name plain files inside its step directory."""
-    return bool(_SHARD_RE.match(name))
+    m = _SHARD_RE.fullmatch(name)
+    if m is None:
+        return False
+    rank, world = int(m.group(1)), int(m.group(2))
+    return rank < world and shard_name(rank, world) == name

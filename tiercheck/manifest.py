@@ -7,6 +7,7 @@ bytes it was given.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -219,9 +220,12 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
             raise _fail(w, f"file name {name!r} is not a shard name of this format")
         files[name] = _int(f, "length", w)
     entries = tuple(_entry(e, i, files, where) for i, e in enumerate(_list(doc, "entries", where)))
+    _check_regions(entries, where)
     tree = doc.get("tree")
+    if not isinstance(tree, dict) or tree.get("t") != "dict":
+        raise _fail(where, "the tree's root must be a dict node")
     _check_tree(tree, entries, where, 0)
-    return Manifest(step, rank, world, algo, tuple(files.items()), entries, tree)  # type: ignore[arg-type]
+    return Manifest(step, rank, world, algo, tuple(files.items()), entries, tree)
 
 
 def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:
@@ -268,10 +272,19 @@ def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:
     )
 
 
+def _check_regions(entries: tuple[Entry, ...], where: str) -> None:
+    """Entries either share a region exactly (tied tensors) or do not overlap, so a reader
+    never allocates more than the shard files hold."""
+    regions = sorted({(e.file, e.offset, e.length) for e in entries if e.length})
+    for (f1, o1, n1), (f2, o2, _) in itertools.pairwise(regions):
+        if f1 == f2 and o2 < o1 + n1:
+            raise _fail(where, f"entries overlap in {f1} at bytes {o2}..{o1 + n1}")
+
+
 def _check_tree(node: object, entries: tuple[Entry, ...], where: str, depth: int) -> None:
     if depth > MAX_DEPTH:
         raise _fail(where, "tree nesting is too deep")
-    if not isinstance(node, dict) or node.get("t") not in _NODE_TYPES:
+    if not isinstance(node, dict) or type(node.get("t")) is not str or node["t"] not in _NODE_TYPES:
         raise _fail(where, f"malformed tree node {str(node)[:80]!r}")
     t = node["t"]
     if t in _LEAF_NODE_TYPES:

@@ -88,16 +88,25 @@ _STOP = object()
 
 
 class _Worker:
-    """A thread draining a deque; `run_one` does the work for one item."""
+    """A thread draining a deque; `run_one` does the work for one item.
 
-    def __init__(self, name: str, run_one: Callable[[object], None]) -> None:
+    `unfinished` counts items queued or running, guarded by the pipeline's `idle`
+    condition, so "idle" means every queued item (retention included) has run.
+    """
+
+    def __init__(self, name: str, run_one: Callable[[object], None], idle: threading.Condition) -> None:
         self.queue: deque[object] = deque()
         self.cond = threading.Condition()
+        self.unfinished = 0
+        self._idle = idle
         self._run_one = run_one
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def put(self, item: object) -> None:
+        if item is not _STOP:
+            with self._idle:
+                self.unfinished += 1
         with self.cond:
             self.queue.append(item)
             self.cond.notify()
@@ -109,7 +118,14 @@ class _Worker:
                 item = self.queue.popleft()
             if item is _STOP:
                 return
-            self._run_one(item)
+            try:
+                self._run_one(item)
+            except Exception:  # a bug in the pipeline itself: keep the worker alive, say so
+                logger.exception("tiercheck: internal error in %s", self.thread.name)
+            finally:
+                with self._idle:
+                    self.unfinished -= 1
+                    self._idle.notify_all()
 
 
 @dataclass(slots=True)
@@ -147,8 +163,8 @@ class Pipeline:
         self._errors: list[TierError] = []
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-checksum")
-        self._writer = _Worker("tiercheck-writer", self._run_local) if local is not None else None
-        self._uploader = _Worker("tiercheck-uploader", self._run_remote) if remote is not None else None
+        self._writer = _Worker("tiercheck-writer", self._run_local, self._idle) if local else None
+        self._uploader = _Worker("tiercheck-uploader", self._run_remote, self._idle) if remote else None
         if local is not None and remote is not None:
             self._uploader_put(_CatchUp())
 
@@ -171,8 +187,9 @@ class Pipeline:
             return sorted(s for s, t in self._tracks.items() if tier is None or tier in t.remaining)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
+        workers = [w for w in (self._writer, self._uploader) if w is not None]
         with self._idle:
-            return self._idle.wait_for(lambda: not self._tracks, timeout)
+            return self._idle.wait_for(lambda: not self._tracks and not any(w.unfinished for w in workers), timeout)
 
     def take_errors(self) -> list[TierError]:
         with self._lock:

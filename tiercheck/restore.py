@@ -43,6 +43,7 @@ class _Binder:
         self.entries = manifest.entries
         self.step = step
         self.reads: list[_Read] = []
+        self.fresh: dict[tuple[object, ...], torch.Tensor] = {}
 
     def bind(self, tmpl: object, node: JsonNode, path: str, strict: bool) -> Producer:
         t = node["t"]
@@ -69,15 +70,21 @@ class _Binder:
                 ok = torch_dtype_name(tmpl.dtype) == e.dtype and tuple(tmpl.shape) == e.shape
                 if ok:
                     return self._into_tensor(tmpl, e)
-                if strict:
+                # Inside a stateful object a dtype change may be load_state_dict's to make
+                # (optimizers cast state to the parameter's dtype); a shape change never is,
+                # and must fail before any byte lands in the object's other tensors.
+                if strict or tuple(tmpl.shape) != e.shape:
                     raise self._mismatch(
                         path,
                         f"template tensor is {tmpl.dtype} {tuple(tmpl.shape)}, checkpoint has {dtype} {e.shape}",
                     )
             elif strict and _is_structured(tmpl):
                 raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a tensor")
-            fresh = torch.empty(e.shape, dtype=dtype)
-            self._plan_read(e, fresh)
+            region = (e.file, e.offset, e.length, e.dtype, e.shape)
+            fresh = self.fresh.get(region) if e.length else None
+            if fresh is None:  # tied tensors come back tied, read once
+                fresh = self.fresh[region] = torch.empty(e.shape, dtype=dtype)
+                self._plan_read(e, fresh)
             return lambda: fresh
         if e.kind == "bytes":
             raw = bytearray(e.length)
@@ -86,10 +93,19 @@ class _Binder:
         npd = numpy_dtype_from_name(e.dtype)
         assert npd is not None
         if isinstance(tmpl, np.ndarray) and e.kind == "ndarray":
-            if tmpl.dtype == npd and tmpl.shape == e.shape and tmpl.flags.c_contiguous and tmpl.flags.writeable:
-                self.reads.append(_Read(e, _bytes_of(tmpl)))
-                return lambda: tmpl
-            if strict:
+            if tmpl.dtype == npd and tmpl.shape == e.shape and tmpl.flags.writeable:
+                if tmpl.flags.c_contiguous:
+                    self.reads.append(_Read(e, _bytes_of(tmpl)))
+                    return lambda: tmpl
+                staged: np.ndarray[Any, Any] = np.empty(e.shape, dtype=npd)
+                self.reads.append(_Read(e, _bytes_of(staged)))
+
+                def copy_back() -> object:
+                    tmpl[...] = staged
+                    return tmpl
+
+                return copy_back
+            if strict and (tmpl.dtype != npd or tmpl.shape != e.shape):
                 raise self._mismatch(
                     path,
                     f"template array is {tmpl.dtype} {tmpl.shape}, checkpoint has {npd} {e.shape}",
@@ -270,14 +286,16 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
     Raises:
         CheckpointCorruptedError: missing, short or altered bytes; the template's tensors
             may then hold partial data, its plain values and stateful objects are untouched.
-        StateMismatchError: the template does not fit the checkpoint; nothing was read.
+        StateMismatchError: the template does not fit the checkpoint. Raised before any byte
+            is read, except when a stateful object's `load_state_dict` itself rejects the
+            checkpoint after its tensors were filled.
     """
     manifest = read_manifest(tier, step, rank)
-    binder = _Binder(manifest, step)
-    produce = binder.bind(template, manifest.tree, ROOT, strict)
     checksum = checksum_function(manifest.checksum_algorithm)
     files: dict[str, ReadableFile] = {}
     try:
+        # Sizes first: the manifest's regions are validated against the sizes it declares,
+        # so once those match the real files, nothing below allocates more than they hold.
         for name, size in manifest.files:
             path = tier.path_of(step, name)
             try:
@@ -287,6 +305,8 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
             files[name] = f
             if f.size != size:
                 raise CheckpointCorruptedError(f"{path}: shard file is {f.size} bytes, manifest says {size}")
+        binder = _Binder(manifest, step)
+        produce = binder.bind(template, manifest.tree, ROOT, strict)
         for r in sorted(binder.reads, key=lambda r: (r.entry.file, r.entry.offset)):
             e = r.entry
             try:

@@ -20,6 +20,7 @@ from .errors import UnsupportedStateError
 JsonNode = dict[str, Any]
 
 ROOT = "state"
+MAX_DEPTH = 256  # readers accept 512 tree levels; stateful nodes take two
 
 
 def key_path(parent: str, key: object) -> str:
@@ -83,7 +84,12 @@ def flatten_state(state: Mapping[Any, Any]) -> FlatState:
             f"state must be a mapping (a dict of tensors, modules, optimizers, ...), got {type(state).__name__}"
         )
     builder = _Flattener()
-    tree = builder.node(state, ROOT)
+    try:
+        tree = builder.node(state, ROOT)
+    except RecursionError:
+        raise UnsupportedStateError(
+            f"the state is nested more than {MAX_DEPTH} levels deep (or a state_dict() refers back to itself)"
+        ) from None
     return FlatState(tree=tree, leaves=tuple(builder.leaves), sources=tuple(builder.sources))
 
 
@@ -94,7 +100,9 @@ class _Flattener:
         self._alias: dict[tuple[object, ...], int] = {}
         self._on_path: set[int] = set()
 
-    def node(self, value: object, path: str) -> JsonNode:
+    def node(self, value: object, path: str, depth: int = 0) -> JsonNode:
+        if depth > MAX_DEPTH:
+            raise UnsupportedStateError(f"{path}: the state is nested more than {MAX_DEPTH} levels deep")
         if isinstance(value, torch.Tensor):
             return {"t": "tensor", "e": self._tensor(value, path)}
         if isinstance(value, np.ndarray):
@@ -115,9 +123,9 @@ class _Flattener:
         if kind is bytes or kind is bytearray:
             return {"t": "bytes", "e": self._bytes(bytes(value), path)}  # type: ignore[call-overload]
         if isinstance(value, Mapping):
-            return self._container(value, path, "dict")
+            return self._container(value, path, "dict", depth)
         if kind is list or kind is tuple:
-            return self._container(value, path, kind.__name__)
+            return self._container(value, path, kind.__name__, depth)
         if is_stateful(value):
             try:
                 inner = value.state_dict()  # type: ignore[attr-defined]
@@ -127,14 +135,20 @@ class _Flattener:
                 raise UnsupportedStateError(
                     f"{path}: {type(value).__name__}.state_dict() returned {type(inner).__name__}, expected a mapping"
                 )
-            return {"t": "stateful", "v": self._container(inner, path, "dict")}
+            if id(value) in self._on_path:
+                raise UnsupportedStateError(f"{path}: the state contains a reference cycle")
+            self._on_path.add(id(value))
+            try:
+                return {"t": "stateful", "v": self._container(inner, path, "dict", depth + 1)}
+            finally:
+                self._on_path.discard(id(value))
         raise UnsupportedStateError(
             f"{path}: cannot checkpoint a value of type {kind.__module__}.{kind.__qualname__}; "
             "supported are tensors, numpy arrays, int/float/bool/str/bytes/None, "
             "dict/list/tuple of these, and objects with state_dict()/load_state_dict()"
         )
 
-    def _container(self, value: Any, path: str, kind: str) -> JsonNode:
+    def _container(self, value: Any, path: str, kind: str, depth: int) -> JsonNode:
         if id(value) in self._on_path:
             raise UnsupportedStateError(f"{path}: the state contains a reference cycle")
         self._on_path.add(id(value))
@@ -151,9 +165,9 @@ class _Flattener:
                         raise UnsupportedStateError(
                             f"{key_path(path, k)}: dict keys must be str or int, got {type(k).__name__}"
                         )
-                    values.append(self.node(v, key_path(path, k)))
+                    values.append(self.node(v, key_path(path, k), depth + 1))
                 return {"t": "dict", "k": keys, "v": values}
-            return {"t": kind, "v": [self.node(v, key_path(path, i)) for i, v in enumerate(value)]}
+            return {"t": kind, "v": [self.node(v, key_path(path, i), depth + 1) for i, v in enumerate(value)]}
         finally:
             self._on_path.discard(id(value))
 

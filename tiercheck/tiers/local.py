@@ -186,8 +186,13 @@ class _LocalStepWriter(StepWriter):
             fsync_dir(self._tmp)
         final = tier.path_of(self._step)
         if os.path.lexists(final):
-            # Rename would replace an empty directory silently; refuse any existing name.
-            raise FileExistsError(errno.EEXIST, "step directory already exists", final)
+            if os.path.exists(os.path.join(final, layout.COMMIT_NAME)):
+                raise FileExistsError(errno.EEXIST, "step is already committed", final)
+            # An unmarked step directory: a deletion that crashed after removing the marker.
+            # It is invisible; move it out of the way rather than fail this step forever.
+            trash = os.path.join(tier.root, layout.trash_dir_name(self._step))
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
         os.rename(self._tmp, final)
         if tier.fsync:
             fsync_dir(tier.root)
