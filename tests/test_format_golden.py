@@ -1,0 +1,481 @@
+"""Golden bytes pin the on-disk format (docs/format.md).
+
+* The writer's output for a fixed state (manifest, COMMIT, shard) must equal the files
+  checked into tests/golden/v1/ byte for byte. After an intended format change,
+  regenerate them with ``TIERCHECK_REGEN_GOLDEN=1 pytest tests/test_format_golden.py``
+  and review the diff (a change that old readers would misread needs a new version).
+* The checked-in golden step must keep loading to the expected values, so that readers
+  stay compatible with checkpoints already on disk.
+* An independent mini-reader (json + struct + crc32c, no tiercheck) decodes the golden
+  shard, which checks the spec's byte-level claims (alignment, little-endian tensors,
+  numpy byte order, aliases, checksum coverage).
+* The JSON Schemas in docs/format.md must accept the writer's documents (if the
+  `jsonschema` package is installed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import warnings
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+
+import tiercheck
+from tiercheck import layout
+from tiercheck.errors import CheckpointCorruptedError
+from tiercheck.manifest import decode_manifest, decode_marker
+
+HERE = Path(__file__).resolve().parent
+GOLDEN_ROOT = HERE / "golden" / "v1"
+FORMAT_DOC = HERE.parent / "docs" / "format.md"
+STEP = 1234
+STEP_DIR = layout.step_dir_name(STEP)
+SHARD = layout.shard_name(0, 1)
+MANIFEST = layout.manifest_name(0, 1)
+COMMIT = layout.COMMIT_NAME
+FILES = (SHARD, MANIFEST, COMMIT)
+REGEN = os.environ.get("TIERCHECK_REGEN_GOLDEN") == "1"
+
+
+class Counter:
+    """A user object saved through state_dict()/load_state_dict()."""
+
+    def __init__(self, count: int = 0) -> None:
+        self.count = count
+        self.hist = torch.zeros(2, dtype=torch.int16)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "hist": self.hist}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.count = sd["count"]
+        self.hist = sd["hist"]
+
+
+def golden_state() -> dict[Any, Any]:
+    f32 = torch.tensor([1.0, -2.5, 3.25])
+    counter = Counter(3)
+    counter.hist = torch.tensor([-1, 300], dtype=torch.int16)
+    return {
+        "f32": f32,
+        "bf16": torch.tensor([[0.5, -1.0], [2.0, 0.001]], dtype=torch.bfloat16),
+        "f16": torch.tensor([65504.0, -0.0], dtype=torch.float16),
+        "f8": torch.tensor([1.0, -2.0], dtype=torch.float8_e4m3fn),
+        "c64": torch.tensor([1 + 2j], dtype=torch.complex64),
+        "i64": torch.arange(-2, 3),
+        "u8_0d": torch.tensor(7, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 2),
+        "strided": torch.arange(6, dtype=torch.int32).reshape(2, 3).t(),  # stored row-major
+        "tied": f32,  # the same tensor: written once
+        "np_u4": np.array([1, 2**32 - 1], dtype=np.uint32),
+        "np_be": np.array([1, 2], dtype=">i2"),
+        "np_0d": np.array(1.5),
+        "np_scalar": np.float64(0.1),
+        "counter": counter,
+        "plain": {
+            "int": 42,
+            7: "int key",
+            "7": "str key",
+            "big": -(2**100),
+            "neg_zero": -0.0,
+            "nan": math.nan,
+            "inf": math.inf,
+            "tenth": 0.1,
+            "tuple": (1, "two", None, (False,)),
+            "list": [True, 2.5],
+            "bytes": b"\x00\xffhello",
+            "str": "h\u00e9llo \u2713",
+            "none": None,
+            "empty_dict": {},
+            "empty_tuple": (),
+        },
+    }
+
+
+def loaded_golden_state() -> dict[Any, Any]:
+    """What `tiercheck.load` returns for the golden state (no template)."""
+    expected = golden_state()
+    expected["strided"] = expected["strided"].contiguous()
+    counter = expected["counter"]
+    expected["counter"] = {"count": counter.count, "hist": counter.hist}
+    return expected
+
+
+def same(actual: object, expected: object, path: str = "state") -> None:
+    """Assert bit-exact equality, types included."""
+    assert type(actual) is type(expected), f"{path}: {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor)
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
+        a = actual.contiguous().reshape(-1).view(torch.uint8)
+        e = expected.contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(a, e), path
+    elif isinstance(expected, (np.ndarray, np.generic)):
+        a_np, e_np = np.asarray(actual), np.asarray(expected)
+        assert (a_np.dtype.str, a_np.shape) == (e_np.dtype.str, e_np.shape), path
+        assert a_np.tobytes() == e_np.tobytes(), path
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict)
+        assert list(actual) == list(expected), path
+        for k in expected:
+            same(actual[k], expected[k], f"{path}[{k!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple))
+        assert len(actual) == len(expected), path
+        for i, (a_item, e_item) in enumerate(zip(actual, expected, strict=True)):
+            same(a_item, e_item, f"{path}[{i}]")
+    elif isinstance(expected, float):
+        assert isinstance(actual, float)
+        assert struct.pack("<d", actual) == struct.pack("<d", expected), f"{path}: {actual!r} != {expected!r}"
+    else:
+        assert actual == expected, path
+
+
+def write_golden_state(root: Path) -> Path:
+    with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
+        ckpt.save(STEP, golden_state()).wait()
+    return root / STEP_DIR
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------- golden bytes
+
+
+def test_writer_output_matches_golden_bytes(tmp_path: Path) -> None:
+    produced = write_golden_state(tmp_path / "ckpt")
+    assert sorted(os.listdir(produced)) == sorted(FILES)
+    golden = GOLDEN_ROOT / STEP_DIR
+    if REGEN:
+        shutil.rmtree(GOLDEN_ROOT, ignore_errors=True)
+        golden.mkdir(parents=True)
+        for name in FILES:
+            shutil.copyfile(produced / name, golden / name)
+        pytest.skip(f"regenerated {golden}; review and commit the diff")
+    for name in (MANIFEST, COMMIT):  # text first: the most readable diff on failure
+        assert (produced / name).read_text("utf-8") == (golden / name).read_text("utf-8"), name
+    assert (produced / SHARD).read_bytes() == (golden / SHARD).read_bytes()
+
+
+def test_golden_step_loads_to_the_expected_values() -> None:
+    before = snapshot(GOLDEN_ROOT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = tiercheck.load(GOLDEN_ROOT)
+        same(loaded, loaded_golden_state())
+        assert loaded["tied"] is loaded["f32"]  # one entry region: one tensor, still tied
+        same(tiercheck.load(GOLDEN_ROOT, step=STEP), loaded_golden_state())
+    assert snapshot(GOLDEN_ROOT) == before  # reading never writes
+
+
+def test_golden_step_restores_into_a_template(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(GOLDEN_ROOT, root)
+    template = golden_state()
+    for v in template.values():  # scribble over every tensor so the restore must fill it
+        if isinstance(v, torch.Tensor) and v.numel():
+            if v.is_contiguous():
+                v.reshape(-1).view(torch.uint8).fill_(0xAB)
+            else:
+                v.fill_(-7)
+    template["plain"] = {"int": 0}
+    template["counter"] = Counter()
+    f32, strided = template["f32"], template["strided"]
+    with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
+        assert ckpt.steps() == [STEP]
+        assert ckpt.restore(template) == STEP
+    expected = golden_state()
+    assert template["f32"] is f32 and template["tied"] is f32  # in place, still tied
+    assert template["strided"] is strided and not strided.is_contiguous()
+    same(template["strided"].contiguous(), expected["strided"].contiguous())
+    for key in ("f32", "bf16", "f16", "f8", "c64", "i64", "u8_0d", "bool", "empty", "np_u4", "np_be"):
+        same(template[key], expected[key], key)
+    same(template["np_scalar"], expected["np_scalar"])
+    same(template["plain"]["int"], 42)
+    assert template["counter"].count == 3
+    same(template["counter"].hist, expected["counter"].hist)
+
+
+# --------------------------------------------------- an independent reader of the bytes
+
+
+def test_golden_shard_decodes_with_an_independent_reader() -> None:
+    step_dir = GOLDEN_ROOT / STEP_DIR
+    marker_bytes = (step_dir / COMMIT).read_bytes()
+    manifest_bytes = (step_dir / MANIFEST).read_bytes()
+    shard = (step_dir / SHARD).read_bytes()
+    marker = json.loads(marker_bytes)
+    manifest = json.loads(manifest_bytes)
+
+    # The marker covers the manifest: exact length and CRC-32C of all its bytes.
+    (ref,) = marker["manifests"]
+    assert (ref["name"], ref["length"]) == (MANIFEST, len(manifest_bytes))
+    assert ref["checksum"] == f"{crc32c.crc32c(manifest_bytes):08x}"
+    assert marker_bytes.endswith(b"}\n") and manifest_bytes.endswith(b"}\n")
+
+    # The shard: every entry 4096-aligned, the file padded to 4096, checksums cover entries.
+    (file,) = manifest["files"]
+    assert (file["name"], file["length"]) == (SHARD, len(shard))
+    assert len(shard) % 4096 == 0
+    entries = {e["path"]: e for e in manifest["entries"]}
+    covered = set()
+    for e in manifest["entries"]:
+        assert e["offset"] % 4096 == 0, e
+        data = shard[e["offset"] : e["offset"] + e["length"]]
+        assert len(data) == e["length"]
+        assert e["checksum"] == f"{crc32c.crc32c(data):08x}", e["path"]
+        covered.update(range(e["offset"], e["offset"] + e["length"]))
+    # Non-aliased entries are laid out in order, each at the next boundary.
+    cursor, seen = 0, {}
+    for e in manifest["entries"]:
+        key = (e["offset"], e["length"], e["checksum"])
+        if e["length"] and key in seen:
+            continue  # an alias: same bytes as an earlier entry
+        assert e["offset"] == cursor, e["path"]
+        seen[key] = e["path"]
+        cursor = (cursor + e["length"] + 4095) // 4096 * 4096
+    assert cursor == len(shard)
+
+    def raw(path: str) -> bytes:
+        e = entries[path]
+        return shard[e["offset"] : e["offset"] + e["length"]]
+
+    # Tensors: little-endian, C order; numpy: the byte order of dtype.str.
+    assert raw("state['f32']") == struct.pack("<3f", 1.0, -2.5, 3.25)
+    assert entries["state['tied']"]["offset"] == entries["state['f32']"]["offset"]
+    assert raw("state['bf16']") == struct.pack("<4H", 0x3F00, 0xBF80, 0x4000, 0x3A83)
+    assert raw("state['f16']") == struct.pack("<2H", 0x7BFF, 0x8000)
+    assert raw("state['f8']") == bytes([0x38, 0xC0])
+    assert raw("state['c64']") == struct.pack("<2f", 1.0, 2.0)
+    assert raw("state['i64']") == struct.pack("<5q", -2, -1, 0, 1, 2)
+    assert raw("state['u8_0d']") == b"\x07" and entries["state['u8_0d']"]["shape"] == []
+    assert raw("state['bool']") == b"\x01\x00\x01"
+    assert raw("state['strided']") == struct.pack("<6i", 0, 3, 1, 4, 2, 5)
+    assert entries["state['empty']"]["length"] == 0
+    assert entries["state['empty']"]["offset"] == entries["state['strided']"]["offset"]
+    assert entries["state['np_u4']"]["dtype"] == "<u4"
+    assert raw("state['np_u4']") == struct.pack("<2I", 1, 2**32 - 1)
+    assert entries["state['np_be']"]["dtype"] == ">i2"
+    assert raw("state['np_be']") == struct.pack(">2h", 1, 2)
+    assert (entries["state['np_scalar']"]["kind"], entries["state['np_scalar']"]["shape"]) == ("npscalar", [])
+    assert raw("state['np_scalar']") == struct.pack("<d", 0.1)
+    assert raw("state['plain']['bytes']") == b"\x00\xffhello"
+    assert raw("state['counter']['hist']") == struct.pack("<2h", -1, 300)
+
+    # The tree keeps types: int keys, big ints as decimal text, floats as float.hex.
+    tree = manifest["tree"]
+    assert tree["t"] == "dict"
+    plain = tree["v"][tree["k"].index(["s", "plain"])]
+    values = dict(zip(map(tuple, plain["k"]), plain["v"], strict=True))
+    assert values[("i", "7")] == {"t": "str", "v": "int key"}
+    assert values[("s", "7")] == {"t": "str", "v": "str key"}
+    assert values[("s", "big")] == {"t": "int", "v": str(-(2**100))}
+    assert values[("s", "neg_zero")] == {"t": "float", "v": "-0x0.0p+0"}
+    assert values[("s", "nan")] == {"t": "float", "v": "nan"}
+    assert values[("s", "inf")] == {"t": "float", "v": "inf"}
+    assert values[("s", "tenth")] == {"t": "float", "v": "0x1.999999999999ap-4"}
+    assert values[("s", "tuple")]["t"] == "tuple"
+    assert values[("s", "empty_tuple")] == {"t": "tuple", "v": []}
+    assert values[("s", "empty_dict")] == {"t": "dict", "k": [], "v": []}
+    counter = tree["v"][tree["k"].index(["s", "counter"])]
+    assert counter["t"] == "stateful" and counter["v"]["t"] == "dict"
+
+
+def test_golden_documents_pass_the_reference_parsers() -> None:
+    step_dir = GOLDEN_ROOT / STEP_DIR
+    marker = decode_marker((step_dir / COMMIT).read_bytes(), "golden")
+    manifest = decode_manifest((step_dir / MANIFEST).read_bytes(), "golden")
+    assert (marker.step, marker.world_size, manifest.step, manifest.rank) == (STEP, 1, STEP, 0)
+
+
+def test_unknown_version_is_rejected(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(GOLDEN_ROOT, root)
+    marker_path = root / STEP_DIR / COMMIT
+    marker = json.loads(marker_path.read_bytes())
+    marker["version"] = 2
+    marker_path.write_bytes(json.dumps(marker).encode())
+    with pytest.raises(CheckpointCorruptedError, match="version"):
+        tiercheck.load(root, step=STEP)
+
+
+def test_unknown_checksum_algorithm_is_rejected(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(GOLDEN_ROOT, root)
+    step_dir = root / STEP_DIR
+    manifest = json.loads((step_dir / MANIFEST).read_bytes())
+    manifest["checksum_algorithm"] = "md5"
+    data = json.dumps(manifest).encode()
+    (step_dir / MANIFEST).write_bytes(data)
+    marker = json.loads((step_dir / COMMIT).read_bytes())
+    marker["manifests"][0].update(length=len(data), checksum=f"{crc32c.crc32c(data):08x}")
+    (step_dir / COMMIT).write_bytes(json.dumps(marker).encode())
+    with pytest.raises(CheckpointCorruptedError, match="md5"):
+        tiercheck.load(root, step=STEP)
+
+
+# --------------------------------------------------------------------- docs/format.md
+
+
+def _doc_blocks() -> dict[str, str]:
+    """Fenced code blocks of docs/format.md that follow a ``<!-- schema:NAME -->`` line."""
+    text = FORMAT_DOC.read_text("utf-8")
+    return dict(re.findall(r"<!-- schema:(\w+) -->\s*```json\n(.*?)```", text, flags=re.S))
+
+
+def _doc_examples() -> list[str]:
+    text = FORMAT_DOC.read_text("utf-8")
+    return [b for b in re.findall(r"```json\n(.*?)```", text, flags=re.S) if '"$schema"' not in b]
+
+
+def test_format_doc_examples_are_what_the_writer_produces(tmp_path: Path) -> None:
+    w = torch.arange(3.0)
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
+        ckpt.save(7, {"w": w, 5: (1, -0.0, b"xy"), "tied": w}).wait()
+    step_dir = tmp_path / layout.step_dir_name(7)
+    manifest_example, marker_example = _doc_examples()
+    assert json.loads(manifest_example) == json.loads((step_dir / MANIFEST).read_bytes())
+    assert (marker_example.strip() + "\n").encode() == (step_dir / COMMIT).read_bytes()
+    assert (step_dir / SHARD).stat().st_size == 8192
+
+
+@pytest.fixture(scope="module")
+def validators() -> dict[str, Any]:
+    jsonschema = pytest.importorskip("jsonschema")
+    blocks = _doc_blocks()
+    assert sorted(blocks) == ["manifest", "marker"]
+    out = {}
+    for name, text in blocks.items():
+        schema = json.loads(text)
+        jsonschema.Draft202012Validator.check_schema(schema)
+        out[name] = jsonschema.Draft202012Validator(schema)
+    return out
+
+
+def _errors(validator: Any, doc: object) -> list[str]:
+    return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_schemas_accept_the_golden_and_fresh_documents(validators: dict[str, Any], tmp_path: Path) -> None:
+    fresh = write_golden_state(tmp_path / "ckpt")
+    for step_dir in (GOLDEN_ROOT / STEP_DIR, fresh):
+        assert _errors(validators["manifest"], json.loads((step_dir / MANIFEST).read_bytes())) == []
+        assert _errors(validators["marker"], json.loads((step_dir / COMMIT).read_bytes())) == []
+    manifest_example, marker_example = _doc_examples()
+    assert _errors(validators["manifest"], json.loads(manifest_example)) == []
+    assert _errors(validators["marker"], json.loads(marker_example)) == []
+
+
+def _mutated(doc: dict[str, Any], path: tuple[Any, ...], value: object) -> dict[str, Any]:
+    doc = json.loads(json.dumps(doc))
+    target = doc
+    for p in path[:-1]:
+        target = target[p]
+    if value is _DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return doc
+
+
+_DELETE = object()
+BAD_MANIFESTS = [
+    (("version",), 2),
+    (("kind",), "commit"),
+    (("step",), -1),
+    (("step",), "1234"),
+    (("world_size",), 0),
+    (("rank",), 2**20),
+    (("checksum_algorithm",), "md5"),
+    (("files", 0, "name"), "../rank-00000-of-00001.shard"),
+    (("files", 0, "name"), "/tmp/rank-00000-of-00001.shard"),
+    (("files", 0, "name"), "s3://bucket/rank-00000-of-00001.shard"),
+    (("entries", 0, "file"), "../x"),
+    (("entries", 0, "shape"), [1] * 65),
+    (("entries", 0, "shape"), [-1]),
+    (("entries", 0, "offset"), -4096),
+    (("entries", 0, "codec"), "zstd"),
+    (("entries", 0, "checksum"), "ABCDEF12"),
+    (("entries", 0, "kind"), "pickle"),
+    (("entries", 0, "dtype"), "float4_e2m1fn_x2"),
+    (("entries", 0, "path"), _DELETE),
+    (("tree",), {"t": "list", "v": []}),
+    (("tree", "t"), "pickle"),
+    (("tree", "k", 0), ["x", "f32"]),
+    (("tree", "v", 0), {"t": "int", "v": 5}),
+    (("tree", "v", 0), {"t": "float", "v": 0.5}),
+    (("tree", "v", 0), {"t": "bool", "v": "true"}),
+    (("tree", "v", 0), {"t": "tensor"}),
+    (("tree", "v", 0), {"t": "stateful", "v": {"t": "list", "v": []}}),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "value"), BAD_MANIFESTS, ids=[f"{'.'.join(map(str, p))}={v!r}"[:60] for p, v in BAD_MANIFESTS]
+)
+def test_schema_rejects_invalid_manifests(validators: dict[str, Any], path: tuple[Any, ...], value: object) -> None:
+    golden = json.loads((GOLDEN_ROOT / STEP_DIR / MANIFEST).read_bytes())
+    doc = _mutated(golden, path, value)
+    assert _errors(validators["manifest"], doc) != []
+
+
+# The checksum algorithm is not a parse error: it is checked when a step is read
+# (test_unknown_checksum_algorithm_is_rejected).
+PARSE_ERRORS = [p for p in BAD_MANIFESTS if p[0] != ("checksum_algorithm",)]
+
+
+@pytest.mark.parametrize(("path", "value"), PARSE_ERRORS)
+def test_reference_parser_rejects_the_same_invalid_manifests(path: tuple[Any, ...], value: object) -> None:
+    golden = json.loads((GOLDEN_ROOT / STEP_DIR / MANIFEST).read_bytes())
+    with pytest.raises(CheckpointCorruptedError):
+        decode_manifest(json.dumps(_mutated(golden, path, value)).encode(), "x")
+
+
+BAD_MARKERS = [
+    (("kind",), "manifest"),
+    (("step",), 2**63),
+    (("world_size",), 2**20 + 1),
+    (("manifests", 0, "name"), "../rank-00000-of-00001.manifest.json"),
+    (("manifests", 0, "length"), -1),
+    (("manifests", 0, "checksum"), "xyz"),
+    (("manifests",), []),
+]
+
+
+@pytest.mark.parametrize(("path", "value"), BAD_MARKERS)
+def test_schema_and_parser_reject_invalid_markers(
+    validators: dict[str, Any], path: tuple[Any, ...], value: object
+) -> None:
+    golden = json.loads((GOLDEN_ROOT / STEP_DIR / COMMIT).read_bytes())
+    doc = _mutated(golden, path, value)
+    assert _errors(validators["marker"], doc) != []
+    with pytest.raises(CheckpointCorruptedError):
+        decode_marker(json.dumps(doc).encode(), "x")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=pytest.fail.Exception,
+    reason="BUG: manifest._load_json checks `doc.get('version') != 1`, so the JSON values true "
+    "and 1.0 pass as version 1 (the spec and schema require the integer 1)",
+)
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_version_must_be_the_integer_1(version: object) -> None:
+    for name, decode in ((MANIFEST, decode_manifest), (COMMIT, decode_marker)):
+        doc = json.loads((GOLDEN_ROOT / STEP_DIR / name).read_bytes())
+        doc["version"] = version
+        with pytest.raises(CheckpointCorruptedError, match="version"):
+            decode(json.dumps(doc).encode(), name)
