@@ -36,6 +36,7 @@ import torch
 
 import tiercheck
 from tiercheck import layout
+from tiercheck.tiers.local import LocalTier
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "crash_worker.py"
@@ -342,18 +343,20 @@ def test_step_number_is_reusable_after_a_crash_mid_deletion(tmp_path: Path) -> N
     assert worker.mismatch(tiercheck.load(tmp_path, step=3), worker.make_state(3)) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: a kill during retention after delete_step unlinked the marker leaves the old "
-    "step's whole data directory (marker-less step-NNN/) on disk forever: start-up only removes "
-    "tmp/trash names and retention only sees committed steps, so preempted runs leak disk",
-)
-def test_a_half_deleted_old_step_is_eventually_reclaimed(tmp_path: Path) -> None:
+def test_a_step_killed_mid_deletion_is_invisible_and_reclaimed(tmp_path: Path, monkeypatch) -> None:
+    """Deletion renames the step directory to a trash name first (one atomic step that hides
+    the marker with the data); a kill before the trash is removed leaves only a trash
+    directory, which the next start-up removes."""
     _save_steps(tmp_path, range(3))
-    half_deleted = tmp_path / layout.step_dir_name(0)
-    (half_deleted / layout.COMMIT_NAME).unlink()  # retention was killed right here
+    tier = LocalTier(tmp_path)
+    monkeypatch.setattr("tiercheck.tiers.local.shutil.rmtree", lambda *a, **k: None)  # "killed" here
+    tier.delete_step(0)
+    monkeypatch.undo()
+    names = sorted(os.listdir(tmp_path))
+    assert layout.step_dir_name(0) not in names
+    assert any(layout.is_leftover(n) for n in names)
     with tiercheck.Checkpointer(local=tmp_path, keep_local=2) as ckpt:
+        assert ckpt.steps() == [1, 2]
         assert ckpt.restore(worker.make_state(0)) == 2
         ckpt.save(3, worker.make_state(3)).wait()
         ckpt.wait()

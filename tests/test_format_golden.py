@@ -466,12 +466,6 @@ def test_schema_and_parser_reject_invalid_markers(
         decode_marker(json.dumps(doc).encode(), "x")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="BUG: manifest._load_json checks `doc.get('version') != 1`, so the JSON values true "
-    "and 1.0 pass as version 1 (the spec and schema require the integer 1)",
-)
 @pytest.mark.parametrize("version", [True, 1.0])
 def test_version_must_be_the_integer_1(version: object) -> None:
     for name, decode in ((MANIFEST, decode_manifest), (COMMIT, decode_marker)):

@@ -145,7 +145,7 @@ def _load_json(data: bytes, where: str) -> dict[str, Any]:
         raise _fail(where, "top level is not a JSON object")
     if doc.get("format") != FORMAT:
         raise _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
-    if doc.get("version") != VERSION:
+    if type(doc.get("version")) is not int or doc["version"] != VERSION:
         raise _fail(where, f"unsupported format version {doc.get('version')!r} (reader: {VERSION})")
     return doc
 

@@ -2,8 +2,8 @@
 
 Durability protocol for a step: files are written into a temp directory, each fsynced;
 the commit marker is written and fsynced last; the temp directory is fsynced, renamed to
-its step name, and the parent fsynced. Deletion unlinks the marker first (fsynced), then
-moves the directory to a trash name and removes it.
+its step name, and the parent fsynced. Deletion renames the step directory to a trash name (so the
+step, marker included, disappears atomically), fsyncs the parent, then removes it.
 """
 
 from __future__ import annotations
@@ -99,11 +99,9 @@ class LocalTier(Tier):
         return _LocalFile(self.path_of(step, name))
 
     def delete_step(self, step: int) -> None:
+        # One atomic rename hides the whole step, marker included, before any data goes; a
+        # crash after it leaves a trash directory that the next start removes.
         step_dir = self.path_of(step)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(step_dir, layout.COMMIT_NAME))
-            if self.fsync:
-                fsync_dir(step_dir)
         trash = os.path.join(self.root, layout.trash_dir_name(step))
         try:
             os.rename(step_dir, trash)
