@@ -551,7 +551,7 @@ def mutated_documents(draw: st.DrawFn, base: bytes) -> Any:
 def _check_accepted_manifest(data: bytes) -> None:
     """What a manifest that decodes is guaranteed to satisfy."""
     m = decode_manifest(data, "fuzz")
-    sizes = dict(m.files)
+    sizes = {f.name: f.length for f in m.files}
     for e in m.entries:
         assert layout.is_safe_file_name(e.file)
         assert "/" not in e.file and "\\" not in e.file and ":" not in e.file and ".." not in e.file

@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for step in steps:
             try:
                 m = read_manifest(tier, step, 0)
-                size = sum(n for _, n in m.files)
+                size = sum(f.size_on_tier for f in m.files)
                 print(f"{step}\t{len(m.entries)} entries\t{size} bytes\t{tier.path_of(step)}")
             except TiercheckError as exc:
                 print(f"{step}\tUNREADABLE: {exc}")

@@ -46,13 +46,31 @@ class Entry:
     codec: str = "raw"
 
 
+CODECS = ("raw", "zstd")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFile:
+    """A shard file: `length` bytes of entries; stored as-is, or zstd-compressed in
+    `stored_length` bytes (the remote tier's optional compression)."""
+
+    name: str
+    length: int
+    codec: str = "raw"
+    stored_length: int | None = None
+
+    @property
+    def size_on_tier(self) -> int:
+        return self.length if self.stored_length is None else self.stored_length
+
+
 @dataclass(frozen=True, slots=True)
 class Manifest:
     step: int
     rank: int
     world_size: int
     checksum_algorithm: str
-    files: tuple[tuple[str, int], ...]  # (shard file name, exact size in bytes)
+    files: tuple[ShardFile, ...]
     entries: tuple[Entry, ...]
     tree: JsonNode
 
@@ -92,7 +110,7 @@ def encode_manifest(m: Manifest) -> bytes:
         "rank": m.rank,
         "world_size": m.world_size,
         "checksum_algorithm": m.checksum_algorithm,
-        "files": [{"name": n, "length": size} for n, size in m.files],
+        "files": [_file_doc(f) for f in m.files],
         "entries": [
             {
                 "path": e.path,
@@ -110,6 +128,14 @@ def encode_manifest(m: Manifest) -> bytes:
         "tree": m.tree,
     }
     return _dump(doc)
+
+
+def _file_doc(f: ShardFile) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": f.name, "length": f.length}
+    if f.codec != "raw":  # absent means raw: v1 manifests without compression stay byte-identical
+        doc["codec"] = f.codec
+        doc["stored_length"] = f.stored_length
+    return doc
 
 
 def encode_marker(m: Marker) -> bytes:
@@ -211,21 +237,27 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     rank = _int(doc, "rank", where, 0, world - 1)
     algo = _str(doc, "checksum_algorithm", where)
     files: dict[str, int] = {}
+    shard_files: list[ShardFile] = []
     for i, f in enumerate(_list(doc, "files", where)):
         w = f"{where} files[{i}]"
         if not isinstance(f, dict):
             raise _fail(w, "not an object")
         name = _str(f, "name", w)
-        if not layout.is_safe_file_name(name):
-            raise _fail(w, f"file name {name!r} is not a shard name of this format")
+        if not layout.is_safe_file_name(name) or name in files:
+            raise _fail(w, f"file name {name!r} is not a shard name of this format, or repeated")
         files[name] = _int(f, "length", w)
+        codec = f.get("codec", "raw")
+        if codec not in CODECS:
+            raise _fail(w, f"unsupported codec {codec!r}")
+        stored = None if codec == "raw" else _int(f, "stored_length", w)
+        shard_files.append(ShardFile(name, files[name], codec, stored))
     entries = tuple(_entry(e, i, files, where) for i, e in enumerate(_list(doc, "entries", where)))
     _check_regions(entries, where)
     tree = doc.get("tree")
     if not isinstance(tree, dict) or tree.get("t") != "dict":
         raise _fail(where, "the tree's root must be a dict node")
     _check_tree(tree, entries, where, 0)
-    return Manifest(step, rank, world, algo, tuple(files.items()), entries, tree)
+    return Manifest(step, rank, world, algo, tuple(shard_files), entries, tree)
 
 
 def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:

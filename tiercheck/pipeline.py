@@ -17,6 +17,7 @@ Errors are captured and handed to the caller's thread exactly once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -33,6 +34,7 @@ from .manifest import (
     Manifest,
     ManifestRef,
     Marker,
+    ShardFile,
     build_entries,
     decode_manifest,
     decode_marker,
@@ -360,8 +362,16 @@ class Pipeline:
         manifest = decode_manifest(manifest_bytes, src.path_of(step, ref.file))
         writer = dst.open_step(step, rank)
         try:
-            for name, _size in manifest.files:
-                writer.write_from_path(name, src.path_of(step, name))
+            stored = [writer.write_from_path(f.name, src.path_of(step, f.name), compress=True) for f in manifest.files]
+            if dst.codec != "raw":  # the tier-2 copy records how its shards are stored
+                files = tuple(
+                    ShardFile(f.name, f.length, dst.codec, n) for f, n in zip(manifest.files, stored, strict=True)
+                )
+                manifest_bytes = encode_manifest(dataclasses.replace(manifest, files=files))
+                ref = ManifestRef(
+                    ref.file, len(manifest_bytes), checksum_function(marker.checksum_algorithm)(manifest_bytes)
+                )
+                marker_bytes = encode_marker(dataclasses.replace(marker, manifests=(ref,)))
             writer.write_file(ref.file, memoryview(manifest_bytes))
             writer.commit(marker_bytes)
         except BaseException:
@@ -380,7 +390,8 @@ class Pipeline:
                 futures.append(self._hasher.submit(self._checksum, job.buffer.view(off + leaf.nbytes)[off:]))
         writer = tier.open_step(job.step, job.rank)
         try:
-            writer.write_file(shard, job.buffer.view(job.plan.total_bytes), job.buffer.aligned)
+            stored = writer.write_file(shard, job.buffer.view(job.plan.total_bytes), job.buffer.aligned, compress=True)
+            compressed = tier.codec != "raw"
             sums = [f if isinstance(f, str) else f.result() for f in futures]
             for i, leaf in enumerate(job.leaves):
                 if leaf.alias_of is not None:
@@ -391,7 +402,7 @@ class Pipeline:
                     rank=job.rank,
                     world_size=job.world_size,
                     checksum_algorithm=self._checksum_name,
-                    files=((shard, job.plan.total_bytes),),
+                    files=(ShardFile(shard, job.plan.total_bytes, tier.codec, stored if compressed else None),),
                     entries=build_entries(job.leaves, job.plan.offsets, sums, shard),
                     tree=job.tree,
                 )

@@ -246,6 +246,58 @@ def _plain(node: JsonNode) -> object:
 # ------------------------------------------------------------------- reading a step
 
 
+class ZstdFile(ReadableFile):
+    """A zstd-compressed shard read front to back (restore reads in offset order); a read
+    behind the current position starts decompressing again from the beginning."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self, raw: ReadableFile, length: int, path: str) -> None:
+        self.size = length
+        self._raw = raw
+        self._path = path
+        self._rewind()
+
+    def _rewind(self) -> None:
+        import zstandard
+
+        self._dobj = zstandard.ZstdDecompressor().decompressobj()
+        self._raw_pos = 0
+        self._pos = 0
+        self._pending = b""
+
+    def _take(self, n: int) -> bytes:
+        """Up to `n` decompressed bytes at the current position ('' at the end)."""
+        while not self._pending and self._raw_pos < self._raw.size:
+            chunk = bytearray(min(self.CHUNK, self._raw.size - self._raw_pos))
+            self._raw.read_into(self._raw_pos, memoryview(chunk))
+            self._raw_pos += len(chunk)
+            try:
+                self._pending = self._dobj.decompress(bytes(chunk))
+            except Exception as exc:  # zstandard.ZstdError: not a valid frame
+                raise CheckpointCorruptedError(f"{self._path}: bad zstd data: {exc}") from None
+        out, self._pending = self._pending[:n], self._pending[n:]
+        self._pos += len(out)
+        return out
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        if offset < self._pos:
+            self._rewind()
+        while self._pos < offset:
+            if not self._take(min(self.CHUNK, offset - self._pos)):
+                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}")
+        filled = 0
+        while filled < len(dest):
+            out = self._take(len(dest) - filled)
+            if not out:
+                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}")
+            dest[filled : filled + len(out)] = out
+            filled += len(out)
+
+    def close(self) -> None:
+        self._raw.close()
+
+
 def read_manifest(tier: Tier, step: int, rank: int) -> Manifest:
     """Read and verify the commit marker and one rank's manifest of `step`."""
     where = tier.path_of(step, layout.COMMIT_NAME)
@@ -296,17 +348,24 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
     try:
         # Sizes first: the manifest's regions are validated against the sizes it declares,
         # so once those match the real files, nothing below allocates more than they hold.
-        for name, size in manifest.files:
-            path = tier.path_of(step, name)
+        for sf in manifest.files:
+            path = tier.path_of(step, sf.name)
             try:
-                f = tier.open_file(step, name)
+                f = tier.open_file(step, sf.name)
             except FileNotFoundError:
                 raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
-            files[name] = f
-            if f.size != size:
-                raise CheckpointCorruptedError(f"{path}: shard file is {f.size} bytes, manifest says {size}")
+            files[sf.name] = f
+            if f.size != sf.size_on_tier:
+                raise CheckpointCorruptedError(f"{path}: shard file is {f.size} bytes, manifest says {sf.size_on_tier}")
+            if sf.codec == "zstd":
+                files[sf.name] = ZstdFile(f, sf.length, path)
         binder = _Binder(manifest, step)
-        produce = binder.bind(template, manifest.tree, ROOT, strict)
+        try:
+            produce = binder.bind(template, manifest.tree, ROOT, strict)
+        except (MemoryError, RuntimeError) as exc:  # sizes a compressed shard cannot bound
+            raise CheckpointCorruptedError(
+                f"{tier.path_of(step)}: cannot allocate what the manifest claims: {exc}"
+            ) from None
         for r in sorted(binder.reads, key=lambda r: (r.entry.file, r.entry.offset)):
             e = r.entry
             try:

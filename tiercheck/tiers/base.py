@@ -28,11 +28,14 @@ class StepWriter(ABC):
     """Writes one step's files on a tier; see the module docstring for the call order."""
 
     @abstractmethod
-    def write_file(self, name: str, data: memoryview, aligned: bool = False) -> None:
-        """Write the whole file `name` of this step. `aligned` promises that `data` starts
-        on a page boundary and its length is a multiple of 4096 (O_DIRECT may be used)."""
+    def write_file(self, name: str, data: memoryview, aligned: bool = False, compress: bool = False) -> int:
+        """Write the whole file `name` of this step and return the bytes stored.
 
-    def write_from_path(self, name: str, local_path: str) -> None:
+        `aligned` promises that `data` starts on a page boundary and its length is a
+        multiple of 4096 (O_DIRECT may be used). `compress` allows the tier to store the
+        file with its `codec` (shard files only; the stored size is then returned)."""
+
+    def write_from_path(self, name: str, local_path: str, compress: bool = False) -> int:
         """Write file `name` with the contents of the local file `local_path` (streamed
         where the tier can; this default maps the file and calls `write_file`)."""
         import mmap
@@ -40,12 +43,11 @@ class StepWriter(ABC):
         with open(local_path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
-                self.write_file(name, memoryview(b""))
-                return
+                return self.write_file(name, memoryview(b""), compress=compress)
             with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
                 view = memoryview(m)
                 try:
-                    self.write_file(name, view)
+                    return self.write_file(name, view, compress=compress)
                 finally:
                     view.release()
 
@@ -76,6 +78,7 @@ class Tier(ABC):
 
     name: str  # "local" or "remote"
     location: str  # the root, as the user gave it
+    codec: str = "raw"  # how shard files written with compress=True are stored
 
     @abstractmethod
     def committed_steps(self) -> list[int]:

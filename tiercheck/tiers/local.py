@@ -8,7 +8,6 @@ step, marker included, disappears atomically), fsyncs the parent, then removes i
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
@@ -174,8 +173,9 @@ class _LocalStepWriter(StepWriter):
         self._step = step
         self._tmp = tmp
 
-    def write_file(self, name: str, data: memoryview, aligned: bool = False) -> None:
+    def write_file(self, name: str, data: memoryview, aligned: bool = False, compress: bool = False) -> int:
         self._tier.write_file(os.path.join(self._tmp, name), data, aligned)
+        return len(data)
 
     def commit(self, marker: bytes) -> None:
         tier = self._tier

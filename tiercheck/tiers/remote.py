@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import fsspec
@@ -38,6 +38,8 @@ class RemoteTier(Tier):
         retry: backoff and time budget for transient errors.
         block_size: bytes per streamed write (multipart part size on S3).
         write_rate: optional cap in bytes/s for uploads.
+        compression: None, or "zstd" to store shard files zstd-compressed (level
+            `compression_level`); the manifest then records codec and stored size.
     """
 
     def __init__(
@@ -49,7 +51,13 @@ class RemoteTier(Tier):
         retry: RetryPolicy | None = None,
         block_size: int = 16 << 20,
         write_rate: float | None = None,
+        compression: str | None = None,
+        compression_level: int = 1,
     ) -> None:
+        if compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        self.codec = compression or "raw"
+        self.compression_level = compression_level
         opts = dict(storage_options or {})
         opts.setdefault("skip_instance_cache", True)
         if url.startswith(("file://", "local://")):
@@ -134,31 +142,54 @@ class RemoteTier(Tier):
 
     # -- writing ---------------------------------------------------------------------
 
-    def put_bytes(self, path: str, data: memoryview) -> None:
-        def put() -> None:
-            if len(data) <= self.block_size:
+    def _compressor(self) -> Any:
+        import zstandard
+
+        return zstandard.ZstdCompressor(level=self.compression_level).compressobj()
+
+    def put_chunks(self, path: str, chunks: Callable[[], Iterator[bytes | memoryview]], compress: bool) -> int:
+        """Stream the chunks `chunks()` yields to `path` (retried from the start); return the
+        number of bytes stored."""
+        compress = compress and self.codec == "zstd"
+
+        def put() -> int:
+            stored = 0
+            cobj = self._compressor() if compress else None
+            with self.fs.open(path, "wb", block_size=self.block_size) as f:
+                for chunk in chunks():
+                    out = cobj.compress(chunk) if cobj is not None else chunk
+                    if len(out):
+                        self.limiter.consume(len(out))
+                        f.write(out)
+                        stored += len(out)
+                if cobj is not None:
+                    tail = cobj.flush()
+                    self.limiter.consume(len(tail))
+                    f.write(tail)
+                    stored += len(tail)
+            return stored
+
+        return self._call(f"uploading {path}", put)
+
+    def put_bytes(self, path: str, data: memoryview, compress: bool = False) -> int:
+        if len(data) <= self.block_size and not (compress and self.codec == "zstd"):
+
+            def pipe() -> int:
                 self.limiter.consume(len(data))
                 self.fs.pipe_file(path, bytes(data))
-                return
-            with self.fs.open(path, "wb", block_size=self.block_size) as f:
-                for pos in range(0, len(data), self.block_size):
-                    chunk = data[pos : pos + self.block_size]
-                    self.limiter.consume(len(chunk))
-                    f.write(chunk)
+                return len(data)
 
-        self._call(f"uploading {path}", put)
+            return self._call(f"uploading {path}", pipe)
+        block = self.block_size
+        return self.put_chunks(path, lambda: (data[p : p + block] for p in range(0, len(data), block)), compress)
 
-    def put_local_file(self, path: str, local_path: str) -> None:
-        def put() -> None:
-            with open(local_path, "rb") as src, self.fs.open(path, "wb", block_size=self.block_size) as f:
-                while True:
-                    chunk = src.read(self.block_size)
-                    if not chunk:
-                        break
-                    self.limiter.consume(len(chunk))
-                    f.write(chunk)
+    def put_local_file(self, path: str, local_path: str, compress: bool = False) -> int:
+        def chunks() -> Iterator[bytes]:
+            with open(local_path, "rb") as src:
+                while chunk := src.read(self.block_size):
+                    yield chunk
 
-        self._call(f"uploading {local_path} to {path}", put)
+        return self.put_chunks(path, chunks, compress)
 
 
 class _RemoteStepWriter(StepWriter):
@@ -167,15 +198,15 @@ class _RemoteStepWriter(StepWriter):
         self._step = step
         self._written: list[str] = []
 
-    def write_file(self, name: str, data: memoryview, aligned: bool = False) -> None:
+    def write_file(self, name: str, data: memoryview, aligned: bool = False, compress: bool = False) -> int:
         path = self._tier._path(self._step, name)
         self._written.append(path)
-        self._tier.put_bytes(path, data)
+        return self._tier.put_bytes(path, data, compress)
 
-    def write_from_path(self, name: str, local_path: str) -> None:
+    def write_from_path(self, name: str, local_path: str, compress: bool = False) -> int:
         path = self._tier._path(self._step, name)
         self._written.append(path)
-        self._tier.put_local_file(path, local_path)
+        return self._tier.put_local_file(path, local_path, compress)
 
     def commit(self, marker: bytes) -> None:
         path = self._tier._path(self._step, layout.COMMIT_NAME)
