@@ -36,6 +36,7 @@ import contextlib
 import gc
 import json
 import math
+import mmap
 import os
 import platform
 import random
@@ -56,6 +57,7 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 WRITE_BLOCK = 1 * MIB
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 TARGETS = {
     "torch_save_over_tiercheck_stall": (">=", 8.0),
@@ -160,7 +162,17 @@ def machine_info(target: Path) -> dict[str, Any]:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:
         affinity = os.cpu_count()
+    rev = "unknown"
+    with contextlib.suppress(Exception):
+        here = Path(__file__).resolve().parent
+        rev = subprocess.run(
+            ["git", "-C", str(here), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     return {
+        "git_rev": rev,
         "cpu_count": os.cpu_count(),
         "cpu_affinity": affinity,
         "cpu_model": cpu_model,
@@ -198,7 +210,9 @@ class PlainCopy:
 
     def __init__(self, state: dict[str, torch.Tensor]):
         total = state_nbytes(state)
-        self.buf = torch.empty(total, dtype=torch.uint8)
+        # anonymous mmap: page-aligned, so the same buffer also serves the O_DIRECT writer
+        self._mm = mmap.mmap(-1, total)
+        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.buf.fill_(0)  # pre-fault every page outside the timed region
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         off = 0
@@ -214,9 +228,10 @@ class PlainCopy:
             dst.copy_(src)
 
 
-def plain_write(buf: torch.Tensor, path: Path) -> None:
+def plain_write(buf: torch.Tensor, path: Path, direct: bool = False) -> None:
     mv = memoryview(buf.numpy()).cast("B")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o644)
     try:
         n = len(mv)
         off = 0
@@ -283,6 +298,7 @@ class Bench:
         self.step = 0
         self.last_step: int | None = None
         self.counter = 0
+        self.no_direct: str | None = None if O_DIRECT else "os.O_DIRECT not available"
 
     # -- recording
     def add(self, key: str, value: float) -> None:
@@ -315,6 +331,18 @@ class Bench:
         dt, _ = timed(lambda: plain_write(self.plain.buf, path))
         if record:
             self.add("plain_write", dt)
+        path.unlink()
+
+    def m_plain_write_direct(self, record: bool) -> None:
+        path = self.fresh_path("plain_write_direct.bin")
+        try:
+            dt, _ = timed(lambda: plain_write(self.plain.buf, path, direct=True))
+        except OSError as e:  # e.g. EINVAL: filesystem without O_DIRECT
+            self.no_direct = f"{type(e).__name__}: {e}"
+            path.unlink(missing_ok=True)
+            return
+        if record:
+            self.add("plain_write_direct", dt)
         path.unlink()
 
     def _mark(self, value: float) -> None:
@@ -405,6 +433,8 @@ class Bench:
             ("plain_copy", self.m_plain_copy),
             ("plain_write", self.m_plain_write),
         ]
+        if self.no_direct is None:
+            ms.append(("plain_write_direct", self.m_plain_write_direct))
         if self.tc is not None and self.tc_error is None:
             ms += [
                 ("tiercheck_steady", self.m_tc_steady),
@@ -415,6 +445,8 @@ class Bench:
 
     def run_one(self, name: str, fn: Callable[[bool], None], record: bool) -> None:
         if name.startswith("tiercheck") and self.tc_error is not None:
+            return
+        if name == "plain_write_direct" and self.no_direct is not None:
             return
         try:
             fn(record)
@@ -501,6 +533,7 @@ def build_report(b: Bench, info: dict[str, Any]) -> dict[str, Any]:
         "torch_save_over_tiercheck_stall": ("torch_save", "tiercheck_stall"),
         "tiercheck_stall_over_plain_copy": ("tiercheck_stall", "plain_copy"),
         "tiercheck_durable_over_plain_write": ("tiercheck_durable", "plain_write"),
+        "tiercheck_durable_over_plain_write_direct": ("tiercheck_durable", "plain_write_direct"),
         "first_stall_cold_over_steady": ("tiercheck_first_stall_cold", "tiercheck_stall"),
         "first_stall_prepared_over_steady": ("tiercheck_first_stall_prepared", "tiercheck_stall"),
         "first_stall_cold_over_prepared": (
@@ -535,6 +568,7 @@ def build_report(b: Bench, info: dict[str, Any]) -> dict[str, Any]:
             "repeats": b.args.repeats,
             "warmup": not b.args.no_warmup,
             "write_block_bytes": WRITE_BLOCK,
+            "o_direct_baseline": b.no_direct or "ok",
             "seed": b.args.seed,
         },
         "timings_s": st,
@@ -552,7 +586,9 @@ def build_report(b: Bench, info: dict[str, Any]) -> dict[str, Any]:
             *b.notes,
             "torch.save time includes f.flush() + os.fsync() of the file (no directory fsync).",
             "plain os.write+fsync: os.write in 1 MiB blocks from an already-filled host buffer "
-            "to a new file, then os.fsync of the file (no directory fsync).",
+            "to a new file, then os.fsync of the file (no directory fsync). d2 is the same "
+            "with O_DIRECT from the page-aligned buffer (bypasses the page cache; tiercheck's "
+            "local tier uses O_DIRECT where the filesystem allows it).",
             "plain copy: per-tensor dst_view.copy_(src) into one preallocated, pre-faulted "
             "uint8 buffer (lower bound for a blocking host snapshot).",
             "tiercheck durable = save() start to h.wait() return (local tier fsynced+committed).",
@@ -588,7 +624,8 @@ def markdown(rep: dict[str, Any]) -> str:
     )
     lines.append(
         f"machine: {m['cpu_count']} CPUs ({m['cpu_model']}), {m['mem_total_gib']} GiB RAM, "
-        f"torch {m['torch']} ({m['torch_num_threads']} threads), python {m['python']}; "
+        f"torch {m['torch']} ({m['torch_num_threads']} threads), python {m['python']}, "
+        f"repo {m['git_rev']}; "
         f"target dir `{m['target_dir']}` on **{fs['fstype']}** ({fs['source']} at "
         f"{fs['mountpoint']}); load avg (1/5/15 min) start "
         f"{'/'.join(f'{x:.1f}' for x in m['loadavg_start'])}, end "
@@ -607,6 +644,7 @@ def markdown(rep: dict[str, Any]) -> str:
         ("c. tiercheck 1st save stall, cold", "tiercheck_first_stall_cold"),
         ("c. tiercheck 1st save stall, after prepare()", "tiercheck_first_stall_prepared"),
         ("d. plain os.write 1MiB + fsync", "plain_write"),
+        ("d2. same with O_DIRECT (extra)", "plain_write_direct"),
     ]
     for label, key in rows:
         s = rep["timings_s"].get(key)
@@ -638,6 +676,7 @@ def markdown(rep: dict[str, Any]) -> str:
         "torch_save_over_tiercheck_stall": "torch.save stall / tiercheck stall",
         "tiercheck_stall_over_plain_copy": "tiercheck stall / plain copy",
         "tiercheck_durable_over_plain_write": "tiercheck durable / plain os.write+fsync",
+        "tiercheck_durable_over_plain_write_direct": "tiercheck durable / plain O_DIRECT write",
         "first_stall_cold_over_steady": "1st-save stall (cold) / steady stall",
         "first_stall_prepared_over_steady": "1st-save stall (prepare()) / steady stall",
         "first_stall_cold_over_prepared": "1st-save stall cold / with prepare()",
