@@ -1,0 +1,28 @@
+"""Real test servers (no mocks) for tiercheck's remote tier: SeaweedFS (S3), Azurite (Azure
+Blob), gcp-storage-emulator (GCS), and a TCP fault proxy. Fixtures live in ``tests.servers.plugin``.
+
+Importing this package sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false (gcsfs reads it on import).
+"""
+
+from __future__ import annotations
+
+from .azurite import Azurite
+from .faultproxy import FaultProxy, ProxiedServer, proxied
+from .gcs import GCSEmulator
+from .ports import free_port, free_ports
+from .process import ManagedProcess, ObjectStoreServer, ServerStartError
+from .seaweedfs import SeaweedFS
+
+__all__ = [
+    "Azurite",
+    "FaultProxy",
+    "GCSEmulator",
+    "ManagedProcess",
+    "ObjectStoreServer",
+    "ProxiedServer",
+    "SeaweedFS",
+    "ServerStartError",
+    "free_port",
+    "free_ports",
+    "proxied",
+]
