@@ -10,6 +10,7 @@ Measurements: docs/design.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import crc32c as _crc32c
 
@@ -34,4 +35,23 @@ def checksum_function(algorithm: str) -> Callable[[Buffer], str]:
         return lambda data: f"{_crc32c.crc32c(data):08x}"
     if algorithm == "xxh3_64":
         return lambda data: f"{_xxh3(data):016x}"
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+
+
+class StreamingChecksum(Protocol):
+    def update(self, data: Buffer) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+def checksum_stream(algorithm: str) -> StreamingChecksum:
+    """An incremental checksum whose `hexdigest()` equals `checksum_function(algorithm)` of
+    the concatenated updates."""
+    if algorithm == "crc32c":
+        h: StreamingChecksum = _crc32c.CRC32CHash()
+        return h
+    if algorithm == "xxh3_64":
+        import xxhash
+
+        x: StreamingChecksum = xxhash.xxh3_64()
+        return x
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; choose one of {ALGORITHMS}")

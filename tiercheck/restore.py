@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from . import layout
-from .checksum import ALGORITHMS, checksum_function
+from .checksum import ALGORITHMS, checksum_function, checksum_stream
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
 from .manifest import Entry, Manifest, decode_key, decode_manifest, decode_marker
@@ -343,7 +344,6 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
             checkpoint after its tensors were filled.
     """
     manifest = read_manifest(tier, step, rank)
-    checksum = checksum_function(manifest.checksum_algorithm)
     files: dict[str, ReadableFile] = {}
     try:
         # Sizes first: the manifest's regions are validated against the sizes it declares,
@@ -366,21 +366,45 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
             raise CheckpointCorruptedError(
                 f"{tier.path_of(step)}: cannot allocate what the manifest claims: {exc}"
             ) from None
-        for r in sorted(binder.reads, key=lambda r: (r.entry.file, r.entry.offset)):
-            e = r.entry
-            try:
-                files[e.file].read_into(e.offset, r.dest)
-            except EOFError as exc:
-                raise CheckpointCorruptedError(str(exc)) from None
-            if checksum(r.dest) != e.checksum:
-                raise CheckpointCorruptedError(
-                    f"{tier.path_of(step, e.file)}: checksum mismatch for {e.path} "
-                    f"(bytes {e.offset}..{e.offset + e.length})"
-                )
+        _read_verified(tier, step, files, binder.reads, manifest.checksum_algorithm)
     finally:
         for f in files.values():
             f.close()
     return produce()
+
+
+READ_CHUNK = 32 << 20
+
+
+def _read_verified(
+    tier: Tier, step: int, files: Mapping[str, ReadableFile], reads: Sequence[_Read], algorithm: str
+) -> None:
+    """Read every entry in file order, checksumming on a helper thread chunk by chunk while
+    the next chunk is read, so verification costs no time when the disk is the bottleneck."""
+    pending: list[tuple[Entry, Future[str]]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-verify") as hasher:
+        try:
+            for r in sorted(reads, key=lambda r: (r.entry.file, r.entry.offset)):
+                e, dest = r.entry, r.dest
+                h = checksum_stream(algorithm)
+                for pos in range(0, len(dest), READ_CHUNK):
+                    chunk = dest[pos : pos + READ_CHUNK]
+                    try:
+                        files[e.file].read_into(e.offset + pos, chunk)
+                    except EOFError as exc:
+                        raise CheckpointCorruptedError(str(exc)) from None
+                    hasher.submit(h.update, chunk)
+                pending.append((e, hasher.submit(h.hexdigest)))
+        except BaseException:
+            for _, fut in pending:
+                fut.cancel()
+            raise
+        for e, fut in pending:
+            if fut.result() != e.checksum:
+                raise CheckpointCorruptedError(
+                    f"{tier.path_of(step, e.file)}: checksum mismatch for {e.path} "
+                    f"(bytes {e.offset}..{e.offset + e.length})"
+                )
 
 
 @dataclass(frozen=True, slots=True)
