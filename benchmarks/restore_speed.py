@@ -116,9 +116,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
                 assert all(torch.equal(state[k], expected[k]) for k in state), name
         med = {m: statistics.median(v) for m, v in times.items()}
-        print(
-            f"state {nbytes / (1 << 30):.2f} GiB, {len(state)} tensors, {args.repeats} repeats, cache {'cold' if cold else 'WARM'}"
-        )
+        cache = "cold" if cold else "WARM"
+        print(f"state {nbytes / (1 << 30):.2f} GiB, {len(state)} tensors, {args.repeats} repeats, cache {cache}")
         print("| method | median s | min s | max s | GiB/s |")
         print("|---|---:|---:|---:|---:|")
         for m, v in times.items():
