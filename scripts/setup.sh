@@ -10,3 +10,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt 2>&1 \
   | { grep -v -E "^WARNING: Location .* is ignored" || true; }
+# Object-store clients and the real test servers (SeaweedFS, Azurite, a GCS emulator).
+bash scripts/setup-servers.sh

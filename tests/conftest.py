@@ -14,6 +14,8 @@ import pytest
 import tiercheck
 from tiercheck.tiers.local import LocalTier
 
+pytest_plugins = ["tests.servers.plugin"]
+
 
 @pytest.fixture
 def ckpt_dir(tmp_path: Path) -> Path:

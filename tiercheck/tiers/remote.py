@@ -70,6 +70,24 @@ class RemoteTier(Tier):
         self.block_size = block_size
         self.limiter = RateLimiter(write_rate)
         self.stopping = threading.Event()  # set on close: stop retrying
+        self._patched_client: object = None
+
+    def _bound_writes(self) -> None:
+        """s3fs/botocore send ``Expect: 100-continue`` on every PUT and aiohttp then waits
+        for the server's interim reply with no timeout, so a write to a hung server never
+        returns whatever ``read_timeout`` says. Dropping the header lets the timeouts bound
+        writes too. Re-applied whenever s3fs has built a new client."""
+        if "s3" not in getattr(self.fs, "protocol", ()):
+            return
+        client = self.fs.s3  # connects on first use
+        if client is self._patched_client:
+            return
+        try:
+            from botocore.handlers import add_expect_header  # type: ignore[import-untyped]
+        except ImportError:  # pragma: no cover - botocore always comes with s3fs
+            return
+        client.meta.events.unregister("before-call.s3", add_expect_header)
+        self._patched_client = client
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         def log(exc: BaseException, attempt: int, delay: float) -> None:
@@ -153,6 +171,7 @@ class RemoteTier(Tier):
         compress = compress and self.codec == "zstd"
 
         def put() -> int:
+            self._bound_writes()
             stored = 0
             cobj = self._compressor() if compress else None
             with self.fs.open(path, "wb", block_size=self.block_size) as f:
@@ -175,6 +194,7 @@ class RemoteTier(Tier):
         if len(data) <= self.block_size and not (compress and self.codec == "zstd"):
 
             def pipe() -> int:
+                self._bound_writes()
                 self.limiter.consume(len(data))
                 self.fs.pipe_file(path, bytes(data))
                 return len(data)
