@@ -22,6 +22,8 @@ class SaveStats:
         buffer_wait_s: the part of the stall spent waiting for a host buffer to free up.
         stage_s: the part of the stall spent copying into the host buffer.
         allocated: whether this save had to allocate (or grow) a host buffer.
+        background_stage_s: for an overlapped save, the copy that ran after `save()`
+            returned (module parameters and optimizer state), overlapping training.
         tier_s: per tier, seconds from `save()` returning until durable there.
     """
 
@@ -31,6 +33,7 @@ class SaveStats:
     buffer_wait_s: float = 0.0
     stage_s: float = 0.0
     allocated: bool = False
+    background_stage_s: float = 0.0
     tier_s: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:

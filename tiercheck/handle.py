@@ -30,6 +30,8 @@ class SaveHandle:
         self.tiers = tuple(tiers)
         self.stats = SaveStats(step=step)
         self._events = {t: threading.Event() for t in self.tiers}
+        self._staged = threading.Event()
+        self._staged.set()  # cleared by the checkpointer for an overlapped save
         self._errors: dict[str, TiercheckError] = {}
         self._on_error_seen = on_error_seen
 
@@ -45,6 +47,21 @@ class SaveHandle:
         if tier not in self._events:
             raise ValueError(f"tier must be one of {self.tiers} or None, got {tier!r}")
         return (tier,)
+
+    def staged(self) -> bool:
+        """True once every byte of the state is copied into host memory."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the snapshot is complete in host memory; after this the state may be
+        changed in any way. Only an overlapped save (`save(..., overlap=True)`) returns
+        before that; its optimizers wait for it by themselves before stepping.
+
+        Raises:
+            WaitTimeoutError: `timeout` seconds passed first.
+        """
+        if not self._staged.wait(timeout):
+            raise WaitTimeoutError(f"step {self.step} not staged after {timeout}s")
 
     def done(self, tier: str | None = None) -> bool:
         """True once the step is durable (or failed) on `tier` (every tier if None)."""

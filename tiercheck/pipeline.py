@@ -43,8 +43,8 @@ from .manifest import (
 )
 from .planner import ShardPlan
 from .retention import RetentionPolicy, plan_deletions
-from .staging import HostBuffer, HostBufferPool
-from .state import JsonNode, Leaf
+from .staging import HostBuffer, HostBufferPool, stage_into
+from .state import FlatState, JsonNode, Leaf
 from .tiers.base import Tier
 
 MAX_META_BYTES = 1 << 30
@@ -64,6 +64,14 @@ class StagedSave:
     buffer: HostBuffer
     handle: SaveHandle
     returned_at: float  # monotonic time save() returned
+
+
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    """Finish an overlapped save's copy, then hand it to the writer."""
+
+    job: StagedSave
+    flat: FlatState
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +173,7 @@ class Pipeline:
         self._errors: list[TierError] = []
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-checksum")
+        self._stager = _Worker("tiercheck-stager", self._run_stage, self._idle)
         self._writer = _Worker("tiercheck-writer", self._run_local, self._idle) if local else None
         self._uploader = _Worker("tiercheck-uploader", self._run_remote, self._idle) if remote else None
         if local is not None and remote is not None:
@@ -172,16 +181,48 @@ class Pipeline:
 
     # -- caller side -------------------------------------------------------------
 
-    def submit(self, job: StagedSave) -> None:
+    def submit(self, job: StagedSave, finish_staging: FlatState | None = None) -> None:
+        """Queue `job` for writing; with `finish_staging`, first copy its deferred leaves on
+        the staging thread (an overlapped save)."""
         tiers = {t.name for t in (self.local, self.remote) if t is not None}
         with self._lock:
             if self._closed:
                 raise RuntimeError("the checkpointer is closed")
             self._tracks[job.step] = _Track(job.handle, set(tiers))
+        if finish_staging is not None:
+            self._stager.put(_Stage(job, finish_staging))
+        else:
+            self._write_next(job)
+
+    def _write_next(self, job: StagedSave) -> None:
         if self._writer is not None:
             self._writer.put(job)
         else:
             self._uploader_put(job)
+
+    def wait_staged(self) -> None:
+        """Block while an overlapped save is still copying (the optimizer pre-step guard)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._stager.unfinished == 0)
+
+    def _run_stage(self, item: object) -> None:
+        assert isinstance(item, _Stage)
+        job = item.job
+        t0 = time.perf_counter()
+        try:
+            stage_into(job.buffer, item.flat, job.plan, deferred=True)
+        except Exception as exc:
+            self._pool.release(job.buffer)
+            job.handle._staged.set()
+            tier = self.local or self.remote
+            assert tier is not None
+            error = tier_error(exc, job.step, tier, "copying the state of")
+            for name in list(job.handle.tiers):
+                self._finish(job.step, name, error if name == tier.name else UploadSkippedError(str(error)))
+            return
+        job.handle.stats.background_stage_s = time.perf_counter() - t0
+        job.handle._staged.set()
+        self._write_next(job)
 
     def in_flight(self, tier: str | None = None) -> list[int]:
         """Steps not yet finished on `tier` (on any tier if None)."""
@@ -189,7 +230,7 @@ class Pipeline:
             return sorted(s for s, t in self._tracks.items() if tier is None or tier in t.remaining)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        workers = [w for w in (self._writer, self._uploader) if w is not None]
+        workers = [w for w in (self._stager, self._writer, self._uploader) if w is not None]
         with self._idle:
             return self._idle.wait_for(lambda: not self._tracks and not any(w.unfinished for w in workers), timeout)
 
@@ -208,10 +249,10 @@ class Pipeline:
             if self._closed:
                 return
             self._closed = True
-        for worker in (self._writer, self._uploader):
+        for worker in (self._stager, self._writer, self._uploader):
             if worker is not None:
                 worker.put(_STOP)
-        for worker in (self._writer, self._uploader):
+        for worker in (self._stager, self._writer, self._uploader):
             if worker is not None:
                 worker.thread.join(timeout)
         self._hasher.shutdown(wait=True)

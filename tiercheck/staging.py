@@ -106,16 +106,20 @@ def needs_pinned(sources: Sequence[object]) -> bool:
     return any(isinstance(s, torch.Tensor) and s.device.type == "cuda" for s in sources)
 
 
-def stage_into(buf: HostBuffer, flat: FlatState, plan: ShardPlan) -> None:
+def stage_into(buf: HostBuffer, flat: FlatState, plan: ShardPlan, deferred: bool | None = None) -> None:
     """Copy every leaf's bytes into `buf` at the planned offsets; returns when the copy is done.
+
+    `deferred` selects a subset: True copies only the leaves `flat.deferrable` marks, False
+    only the others, None all of them.
 
     CUDA tensors are copied on a side stream with non_blocking copies into pinned memory,
     then synchronised once, so the default stream of the training loop is not serialised
     behind the device-to-host transfer.
     """
     cuda_stream = None
-    for leaf, src, off in zip(flat.leaves, flat.sources, plan.offsets, strict=True):
-        if leaf.alias_of is not None or leaf.nbytes == 0:
+    flags = flat.deferrable or (False,) * len(flat.leaves)
+    for leaf, src, off, flag in zip(flat.leaves, flat.sources, plan.offsets, flags, strict=True):
+        if leaf.alias_of is not None or leaf.nbytes == 0 or (deferred is not None and flag != deferred):
             continue
         if isinstance(src, torch.Tensor):
             dst = buf.tensor[off : off + leaf.nbytes].view(src.dtype).view(src.shape)

@@ -47,6 +47,10 @@ class FlatState:
     tree: JsonNode
     leaves: tuple[Leaf, ...]
     sources: tuple[object, ...]  # torch.Tensor | np.ndarray | bytes, parallel to leaves
+    # Per leaf: does only `optimizer.step()` change it (a module parameter or optimizer
+    # state)? Those may be copied after save() returns, guarded by an optimizer pre-step hook.
+    deferrable: tuple[bool, ...] = ()
+    optimizers: tuple[torch.optim.Optimizer, ...] = ()
 
     @property
     def signature(self) -> tuple[tuple[str, str, tuple[int, ...], int | None], ...]:
@@ -90,7 +94,13 @@ def flatten_state(state: Mapping[Any, Any]) -> FlatState:
         raise UnsupportedStateError(
             f"the state is nested more than {MAX_DEPTH} levels deep (or a state_dict() refers back to itself)"
         ) from None
-    return FlatState(tree=tree, leaves=tuple(builder.leaves), sources=tuple(builder.sources))
+    return FlatState(
+        tree=tree,
+        leaves=tuple(builder.leaves),
+        sources=tuple(builder.sources),
+        deferrable=tuple(builder.deferrable),
+        optimizers=tuple(builder.optimizers),
+    )
 
 
 class _Flattener:
@@ -99,6 +109,10 @@ class _Flattener:
         self.sources: list[object] = []
         self._alias: dict[tuple[object, ...], int] = {}
         self._on_path: set[int] = set()
+        self.deferrable: list[bool] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._params: set[tuple[torch.device, int]] = set()  # parameters of enclosing modules
+        self._in_optimizer = 0
 
     def node(self, value: object, path: str, depth: int = 0) -> JsonNode:
         if depth > MAX_DEPTH:
@@ -138,10 +152,22 @@ class _Flattener:
             if id(value) in self._on_path:
                 raise UnsupportedStateError(f"{path}: the state contains a reference cycle")
             self._on_path.add(id(value))
+            is_opt = isinstance(value, torch.optim.Optimizer)
+            params = (
+                {(p.device, p.data_ptr()) for p in value.parameters()} - self._params
+                if isinstance(value, torch.nn.Module)
+                else set()
+            )
+            if is_opt:
+                self.optimizers.append(value)  # type: ignore[arg-type]
+            self._in_optimizer += is_opt
+            self._params |= params
             try:
                 return {"t": "stateful", "v": self._container(inner, path, "dict", depth + 1)}
             finally:
                 self._on_path.discard(id(value))
+                self._in_optimizer -= is_opt
+                self._params -= params
         raise UnsupportedStateError(
             f"{path}: cannot checkpoint a value of type {kind.__module__}.{kind.__qualname__}; "
             "supported are tensors, numpy arrays, int/float/bool/str/bytes/None, "
@@ -180,6 +206,10 @@ class _Flattener:
                 self._alias[alias_key] = len(self.leaves)
         self.leaves.append(leaf)
         self.sources.append(source)
+        self.deferrable.append(
+            isinstance(source, torch.Tensor)
+            and (self._in_optimizer > 0 or (source.device, source.data_ptr()) in self._params)
+        )
         return len(self.leaves) - 1
 
     def _tensor(self, t: torch.Tensor, path: str) -> int:
