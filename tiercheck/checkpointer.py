@@ -80,6 +80,8 @@ class Checkpointer:
         overlap: the default for `save(..., overlap=)`: let `save()` return before module
             parameters and optimizer state are copied, overlapping the copy with the next
             forward/backward (see `save`).
+        low_priority: run the writer, uploader and checksum threads at nice +10 and the
+            lowest best-effort I/O priority (Linux), so they take what training leaves.
         rank, world_size: this process's place in a multi-rank job (default 0 of 1).
 
     Raises:
@@ -114,6 +116,7 @@ class Checkpointer:
         upload_backlog: str = "newest",
         remote_compression: str | None = None,
         overlap: bool = False,
+        low_priority: bool = True,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
@@ -156,7 +159,9 @@ class Checkpointer:
         if self._local is not None:
             for path in self._local.remove_leftovers():
                 logger.info("removed leftover %s from an interrupted save or deletion", path)
-        self._pipeline = Pipeline(self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog)
+        self._pipeline = Pipeline(
+            self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority
+        )
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
         self._finalizer = weakref.finalize(self, _finalize, self._pipeline, self._pool, str(local or remote))

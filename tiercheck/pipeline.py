@@ -42,6 +42,7 @@ from .manifest import (
     encode_marker,
 )
 from .planner import ShardPlan
+from .priority import lower_current_thread
 from .retention import RetentionPolicy, plan_deletions
 from .staging import HostBuffer, HostBufferPool, stage_into
 from .state import FlatState, JsonNode, Leaf
@@ -104,8 +105,11 @@ class _Worker:
     condition, so "idle" means every queued item (retention included) has run.
     """
 
-    def __init__(self, name: str, run_one: Callable[[object], None], idle: threading.Condition) -> None:
+    def __init__(
+        self, name: str, run_one: Callable[[object], None], idle: threading.Condition, low_priority: bool = False
+    ) -> None:
         self.queue: deque[object] = deque()
+        self._low_priority = low_priority
         self.cond = threading.Condition()
         self.unfinished = 0
         self._idle = idle
@@ -122,6 +126,8 @@ class _Worker:
             self.cond.notify()
 
     def _loop(self) -> None:
+        if self._low_priority:
+            lower_current_thread()
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: bool(self.queue))
@@ -156,6 +162,7 @@ class Pipeline:
         keep_remote: RetentionPolicy,
         checksum: str,
         upload_backlog: str = "newest",
+        low_priority: bool = True,
     ) -> None:
         if upload_backlog not in BACKLOG_POLICIES:
             raise ValueError(f"upload_backlog must be one of {BACKLOG_POLICIES}, got {upload_backlog!r}")
@@ -172,10 +179,12 @@ class Pipeline:
         self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
         self._errors: list[TierError] = []
         self._closed = False
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-checksum")
+        # The stager keeps normal priority: an optimizer step may be waiting for it.
+        init = lower_current_thread if low_priority else None
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-checksum", initializer=init)
         self._stager = _Worker("tiercheck-stager", self._run_stage, self._idle)
-        self._writer = _Worker("tiercheck-writer", self._run_local, self._idle) if local else None
-        self._uploader = _Worker("tiercheck-uploader", self._run_remote, self._idle) if remote else None
+        self._writer = _Worker("tiercheck-writer", self._run_local, self._idle, low_priority) if local else None
+        self._uploader = _Worker("tiercheck-uploader", self._run_remote, self._idle, low_priority) if remote else None
         if local is not None and remote is not None:
             self._uploader_put(_CatchUp())
 
