@@ -328,12 +328,6 @@ def test_backlog_newest_uploads_only_the_newest_pending(
         assert not fs.exists(step_path(bucket, s))  # not even partly uploaded
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: with upload_backlog='newest', every step saved during an outage stays "
-    "in flight (protected on tier 1) until the uploader reaches it, so tier 1 grows without "
-    "bound instead of the documented 'one step in progress plus one waiting'",
-)
 def test_backlog_newest_bounds_tier1_during_an_outage(
     make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
 ) -> None:
@@ -368,7 +362,6 @@ def test_upload_backlog_is_validated(tmp_path: Path, mem_url: str) -> None:
         tiercheck.Checkpointer(local=tmp_path, remote=mem_url, upload_backlog="oldest")
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: UploadSkippedError is not exported from tiercheck")
 def test_upload_skipped_error_is_public() -> None:
     assert tiercheck.UploadSkippedError is UploadSkippedError  # type: ignore[attr-defined]
 
@@ -680,12 +673,6 @@ def test_cut_upload_that_recovers_is_rewritten_whole(
     assert_state(got, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a commit marker upload cut midway is not removed by abort() "
-    "(_RemoteStepWriter.commit does not record the marker path), so on a store without "
-    "atomic puts (file://, faultymem://) the torn step is listed as committed",
-)
 def test_cut_marker_upload_is_cleaned_up(
     make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
 ) -> None:
@@ -722,12 +709,6 @@ def test_restore_while_the_remote_is_down_uses_tier1(
     assert_state(got, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: steps('remote') lets the fsspec error escape (ConnectionRefusedError) "
-    "instead of a TiercheckError naming the tier, though DESIGN.md makes TiercheckError the "
-    "base of every error the library raises",
-)
 def test_listing_a_down_remote_raises_a_tiercheck_error(
     make: Callable[..., tiercheck.Checkpointer], faults: Faults
 ) -> None:

@@ -12,6 +12,7 @@ from .errors import (
     TiercheckError,
     TierError,
     UnsupportedStateError,
+    UploadSkippedError,
 )
 from .events import SaveStats
 from .handle import SaveHandle, WaitTimeoutError
@@ -34,6 +35,7 @@ __all__ = [
     "TierError",
     "TiercheckError",
     "UnsupportedStateError",
+    "UploadSkippedError",
     "WaitTimeoutError",
     "load",
 ]

@@ -305,7 +305,7 @@ class Pipeline:
             self._pool.release(item.buffer)
         item.handle.stats.tier_s[tier.name] = time.monotonic() - item.returned_at
         if error is None and self.remote is not None:
-            self._uploader_put(_Upload(item.step, item.rank, item.handle, item.returned_at))
+            self._queue_upload(_Upload(item.step, item.rank, item.handle, item.returned_at))
         elif self.remote is not None:
             self._finish(
                 item.step, self.remote.name, UploadSkippedError(f"step {item.step} failed on tier 1; not uploaded")
@@ -343,15 +343,7 @@ class Pipeline:
             return
         assert isinstance(item, _Upload)
         if self._backlog == "newest" and self._newer_upload_queued(item.step):
-            if item.handle is not None:
-                self._finish(
-                    item.step,
-                    tier.name,
-                    UploadSkippedError(
-                        f"step {item.step} was not uploaded to tier {tier.name!r}: a newer step was "
-                        "committed first while uploads were behind (upload_backlog='newest')"
-                    ),
-                )
+            self._skip_upload(item)
             self._request_local_prune()
             return
         error = None
@@ -372,6 +364,37 @@ class Pipeline:
         if error is None:
             self._report(self._prune(tier, item.step))
         self._request_local_prune()  # the step is off tier 1's protection list now
+
+    def _queue_upload(self, upload: _Upload) -> None:
+        """Queue an upload; under the "newest" policy, drop the uploads still waiting (not the
+        one in progress) right away, so their steps lose tier-1 protection now rather than
+        when the uploader gets to them: tier 1 then holds at most one step being uploaded
+        and one waiting, however long tier 2 is down."""
+        assert self._uploader is not None
+        dropped: list[_Upload] = []
+        if self._backlog == "newest":
+            with self._uploader.cond:
+                keep = deque(q for q in self._uploader.queue if not (isinstance(q, _Upload) and q.step < upload.step))
+                dropped = [q for q in self._uploader.queue if isinstance(q, _Upload) and q.step < upload.step]
+                self._uploader.queue = keep
+            if dropped:
+                with self._idle:
+                    self._uploader.unfinished -= len(dropped)
+        self._uploader_put(upload)
+        for q in dropped:  # the tier-1 writer prunes right after queueing this upload
+            self._skip_upload(q)
+
+    def _skip_upload(self, item: _Upload) -> None:
+        assert self.remote is not None
+        if item.handle is not None:
+            self._finish(
+                item.step,
+                self.remote.name,
+                UploadSkippedError(
+                    f"step {item.step} was not uploaded to tier {self.remote.name!r}: a newer step was "
+                    "committed first while uploads were behind (upload_backlog='newest')"
+                ),
+            )
 
     def _newer_upload_queued(self, step: int) -> bool:
         assert self._uploader is not None

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from .. import layout
-from ..errors import CheckpointCorruptedError
+from ..errors import CheckpointCorruptedError, TierError
 from ..retry import RetryPolicy
 from ..throttle import RateLimiter
 from .base import ReadableFile, StepWriter, Tier
@@ -115,7 +115,16 @@ class RemoteTier(Tier):
 
         steps = set()
         prefix = self.root + "/"
-        for path in self._call(f"listing {self.location}", listing):
+        try:
+            found = self._call(f"listing {self.location}", listing)
+        except Exception as exc:
+            raise TierError(
+                f"tier {self.name!r}: cannot list {self.location}: {type(exc).__name__}: {exc}",
+                step=None,
+                tier=self.name,
+                path=self.location,
+            ) from exc
+        for path in found:
             rel = path.lstrip("/")[len(prefix.lstrip("/")) :] if path.lstrip("/").startswith(prefix.lstrip("/")) else ""
             parts = rel.split("/")
             if len(parts) == 2 and parts[1] == layout.COMMIT_NAME:
@@ -230,6 +239,7 @@ class _RemoteStepWriter(StepWriter):
 
     def commit(self, marker: bytes) -> None:
         path = self._tier._path(self._step, layout.COMMIT_NAME)
+        self._written.append(path)  # a marker cut midway (non-atomic stores) must go too
         self._tier.put_bytes(path, memoryview(marker))
 
     def abort(self) -> None:
