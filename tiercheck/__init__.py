@@ -15,7 +15,7 @@ from .errors import (
     UploadSkippedError,
 )
 from .events import SaveStats
-from .handle import SaveHandle, WaitTimeoutError
+from .handle import DrainReport, SaveHandle, WaitTimeoutError
 from .retention import KeepAll, KeepEvery, KeepLast, RetentionPolicy
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointCorruptedError",
     "Checkpointer",
+    "DrainReport",
     "KeepAll",
     "KeepEvery",
     "KeepLast",

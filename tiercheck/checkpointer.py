@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -20,7 +22,7 @@ from .errors import (
     UnsupportedStateError,
 )
 from .events import logger
-from .handle import SaveHandle
+from .handle import DrainReport, SaveHandle
 from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
 from .restore import restore_from
@@ -386,6 +388,54 @@ class Checkpointer:
         if not self._pipeline.wait_idle(timeout):
             raise WaitTimeoutError(f"pending saves {self._pipeline.in_flight()} not durable after {timeout}s")
         self._raise_background_errors()
+
+    def drain(self, timeout: float | None = None) -> DrainReport:
+        """Make pending snapshots durable within `timeout` seconds: tier 1 first (fast), then
+        tier 2 as time allows. For preemption: it never raises a background error, it
+        reports it. The Checkpointer stays usable.
+
+        Returns:
+            A `DrainReport`: the newest step this session made durable on each tier, the
+            steps still pending per tier, and the background errors (now consumed).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if self._local is not None:
+            self._pipeline.wait_tier(self._local.name, left())
+        self._pipeline.wait_idle(left())
+        pending = {t.name: self._pipeline.in_flight(t.name) for t in self._tiers}
+        report = DrainReport(
+            durable={t.name: self._pipeline.newest_durable.get(t.name) for t in self._tiers},
+            pending=pending,
+            errors=tuple(self._pipeline.take_errors()),
+        )
+        logger.warning("tiercheck drain: %s", report)
+        return report
+
+    def install_sigterm_handler(self, grace_s: float = 30.0) -> None:
+        """On SIGTERM (preemption), drain for up to `grace_s` seconds, then let the signal
+        do what it did before (the previous handler, or terminate). Call from the main thread.
+
+        The drain makes the newest snapshot already in host memory durable; to capture the
+        very latest state too, call `save()` from your own handler first.
+        """
+        previous = signal.getsignal(signal.SIGTERM)
+        me = weakref.ref(self)
+
+        def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
+            ckpt = me()
+            if ckpt is not None and not ckpt._closed:
+                ckpt.drain(grace_s)
+            signal.signal(signal.SIGTERM, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def close(self) -> None:
         """Drain pending saves, stop the writer, free the host buffers. Idempotent.

@@ -5,11 +5,27 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from .errors import TiercheckError, TierError
 from .events import SaveStats
 
-__all__ = ["SaveHandle", "WaitTimeoutError"]
+__all__ = ["DrainReport", "SaveHandle", "WaitTimeoutError"]
+
+
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    """What `Checkpointer.drain()` achieved.
+
+    Attributes:
+        durable: per tier, the newest step this session made durable there (None: none).
+        pending: per tier, steps still not durable there when the drain ended.
+        errors: background errors the drain collected (they will not be raised again).
+    """
+
+    durable: dict[str, int | None]
+    pending: dict[str, list[int]]
+    errors: tuple[TierError, ...] = ()
 
 
 class WaitTimeoutError(TiercheckError, TimeoutError):

@@ -178,6 +178,7 @@ class Pipeline:
         self._tracks: dict[int, _Track] = {}
         self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
         self._errors: list[TierError] = []
+        self.newest_durable: dict[str, int] = {}  # per tier, the newest step this session made durable
         self._closed = False
         # The stager keeps normal priority: an optimizer step may be waiting for it.
         init = lower_current_thread if low_priority else None
@@ -238,6 +239,11 @@ class Pipeline:
         with self._lock:
             return sorted(s for s, t in self._tracks.items() if tier is None or tier in t.remaining)
 
+    def wait_tier(self, tier: str, timeout: float | None = None) -> bool:
+        """Wait until no pending step still needs `tier`."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not any(tier in t.remaining for t in self._tracks.values()), timeout)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         workers = [w for w in (self._stager, self._writer, self._uploader) if w is not None]
         with self._idle:
@@ -273,6 +279,8 @@ class Pipeline:
             track = self._tracks.get(step)
             if isinstance(error, TierError):
                 self._errors.append(error)
+            if error is None:
+                self.newest_durable[tier] = max(step, self.newest_durable.get(tier, step))
             if track is not None:
                 track.handle._finish(tier, error)
                 track.remaining.discard(tier)
@@ -301,15 +309,17 @@ class Pipeline:
             self._write_staged(tier, item)
         except Exception as exc:
             error = tier_error(exc, item.step, tier, "writing")
-        finally:
-            self._pool.release(item.buffer)
         item.handle.stats.tier_s[tier.name] = time.monotonic() - item.returned_at
-        if error is None and self.remote is not None:
-            self._queue_upload(_Upload(item.step, item.rank, item.handle, item.returned_at))
+        if error is None:
+            self._pool.release(item.buffer)
+            if self.remote is not None:
+                self._queue_upload(_Upload(item.step, item.rank, item.handle, item.returned_at))
         elif self.remote is not None:
-            self._finish(
-                item.step, self.remote.name, UploadSkippedError(f"step {item.step} failed on tier 1; not uploaded")
-            )
+            # Tier 1 failed (disk full, say): the snapshot is still in host memory, so it
+            # goes to tier 2 from there, and the step is not lost with the local disk.
+            self._uploader_put(item)
+        else:
+            self._pool.release(item.buffer)
         self._finish(item.step, tier.name, error)
         if error is None:
             self._report(self._prune(tier, item.step))
@@ -454,6 +464,7 @@ class Pipeline:
     # -- shared ------------------------------------------------------------------------
 
     def _write_staged(self, tier: Tier, job: StagedSave) -> None:
+        tier.check_space(job.step, job.plan.total_bytes)
         shard = layout.shard_name(job.rank, job.world_size)
         futures: list[Future[str] | str] = []
         for leaf, off in zip(job.leaves, job.plan.offsets, strict=True):

@@ -84,6 +84,11 @@ class Tier(ABC):
     def committed_steps(self) -> list[int]:
         """Steps whose commit marker exists, ascending. O(1) listings of the root."""
 
+    def check_space(self, step: int, nbytes: int) -> None:
+        """Raise OSError(ENOSPC) naming the shortfall if `nbytes` cannot fit; tiers that
+        cannot tell (object stores) accept everything."""
+        return None
+
     @abstractmethod
     def open_step(self, step: int, rank: int) -> StepWriter: ...
 

@@ -80,6 +80,20 @@ class LocalTier(Tier):
                     steps.append(step)
         return sorted(steps)
 
+    def check_space(self, step: int, nbytes: int) -> None:
+        """Fail before writing when the filesystem has less than `nbytes` (plus 1%) free."""
+        os.makedirs(self.root, exist_ok=True)
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        need = nbytes + nbytes // 100 + (1 << 20)
+        if free < need:
+            raise OSError(
+                errno.ENOSPC,
+                f"not enough space for step {step}: it needs {need} bytes, {free} are free "
+                f"(short by {need - free}); free space or lower keep_local",
+                self.root,
+            )
+
     def open_step(self, step: int, rank: int) -> StepWriter:
         os.makedirs(self.root, exist_ok=True)
         tmp = os.path.join(self.root, layout.tmp_dir_name(step, rank))

@@ -1,0 +1,59 @@
+"""When tier 1 fails (disk full), the step still reaches tier 2 from host memory, and a
+free-space check refuses a step that cannot fit before writing anything."""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiercheck
+from tiercheck import layout
+from tiercheck.tiers.local import LocalTier
+
+
+def test_a_step_that_fails_on_tier1_is_uploaded_from_host_memory(tmp_path: Path, monkeypatch) -> None:
+    original = LocalTier.write_file
+
+    def full_disk(self: LocalTier, path: str, data: memoryview, aligned: bool) -> None:
+        if layout.step_dir_name(2) + "-" in path:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+        original(self, path, data, aligned)
+
+    monkeypatch.setattr(LocalTier, "write_file", full_disk)
+    remote = f"memory://t1fail-{uuid.uuid4().hex}"
+    with tiercheck.Checkpointer(local=tmp_path, remote=remote, keep_local=None) as ckpt:
+        ckpt.save(1, {"x": torch.full((64,), 1.0)}).wait()
+        h = ckpt.save(2, {"x": torch.full((64,), 2.0)})
+        with pytest.raises(tiercheck.TierError) as info:
+            h.wait("local")
+        assert info.value.tier == "local" and info.value.step == 2
+        h.wait("remote")  # durable off the node all the same
+        assert ckpt.steps("local") == [1]
+        assert ckpt.steps("remote") == [1, 2]
+        ckpt.save(3, {"x": torch.full((64,), 3.0)}).wait()
+        assert ckpt.steps("local") == [1, 3]
+    assert torch.equal(tiercheck.load(remote, step=2)["x"], torch.full((64,), 2.0))
+    assert not [n for n in os.listdir(tmp_path) if layout.is_leftover(n)]
+
+
+def test_free_space_check_names_the_shortfall(tmp_path: Path, monkeypatch) -> None:
+    real = os.statvfs(tmp_path)
+
+    class Tiny:
+        f_bavail = 10
+        f_frsize = real.f_frsize
+
+    monkeypatch.setattr("tiercheck.tiers.local.os.statvfs", lambda p: Tiny)
+    with tiercheck.Checkpointer(local=tmp_path) as ckpt:
+        h = ckpt.save(1, {"x": torch.zeros(1 << 20)})
+        with pytest.raises(tiercheck.TierError) as info:
+            h.wait()
+    cause = info.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
+    assert "short by" in str(info.value) and "step 1" in str(info.value)
+    assert os.listdir(tmp_path) == []  # nothing was written
