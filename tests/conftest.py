@@ -47,10 +47,10 @@ def write_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     gate = threading.Event()
     original = LocalTier.write_file
 
-    def gated(self: LocalTier, path: str, data: memoryview, aligned: bool) -> None:
+    def gated(self: LocalTier, path: str, data: memoryview, aligned: bool, *args: Any) -> None:
         if not gate.wait(timeout=20):
             raise TimeoutError("test write gate was never opened")
-        original(self, path, data, aligned)
+        original(self, path, data, aligned, *args)
 
     monkeypatch.setattr(LocalTier, "write_file", gated)
     yield gate

@@ -39,10 +39,10 @@ def fail_step(monkeypatch: pytest.MonkeyPatch) -> set[int]:
     failing: set[int] = set()
     original = LocalTier.write_file
 
-    def write_file(self: LocalTier, path: str, data: memoryview, aligned: bool) -> None:
+    def write_file(self: LocalTier, path: str, data: memoryview, aligned: bool, *args: Any) -> None:
         if any(layout.step_dir_name(s) + "-" in path for s in failing):
             raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
-        original(self, path, data, aligned)
+        original(self, path, data, aligned, *args)
 
     monkeypatch.setattr(LocalTier, "write_file", write_file)
     return failing

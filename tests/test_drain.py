@@ -45,9 +45,9 @@ def test_sigterm_handler_drains_before_the_process_exits(tmp_path: Path) -> None
         import os, signal, sys, time, torch, tiercheck
         from tiercheck.tiers import local
         slow = local.LocalTier._write_all
-        def write_all(self, fd, data):  # a slow disk: SIGTERM lands while step 3 is written
+        def write_all(self, fd, data, *args):  # a slow disk: SIGTERM lands while step 3 is written
             time.sleep(1.0)
-            slow(self, fd, data)
+            slow(self, fd, data, *args)
         local.LocalTier._write_all = write_all
         ckpt = tiercheck.Checkpointer(local={str(tmp_path)!r}, keep_local=None)
         ckpt.install_sigterm_handler(grace_s=30)

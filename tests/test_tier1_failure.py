@@ -19,10 +19,10 @@ from tiercheck.tiers.local import LocalTier
 def test_a_step_that_fails_on_tier1_is_uploaded_from_host_memory(tmp_path: Path, monkeypatch) -> None:
     original = LocalTier.write_file
 
-    def full_disk(self: LocalTier, path: str, data: memoryview, aligned: bool) -> None:
+    def full_disk(self: LocalTier, path: str, data: memoryview, aligned: bool, *args: object) -> None:
         if layout.step_dir_name(2) + "-" in path:
             raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
-        original(self, path, data, aligned)
+        original(self, path, data, aligned, *args)
 
     monkeypatch.setattr(LocalTier, "write_file", full_disk)
     remote = f"memory://t1fail-{uuid.uuid4().hex}"

@@ -28,7 +28,7 @@ from .planner import ShardPlan, plan_shard
 from .restore import restore_from
 from .retention import RetentionPolicy, as_policy
 from .retry import RetryPolicy
-from .staging import HostBufferPool, needs_pinned, stage_into
+from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
 from .state import FlatState, flatten_state
 from .tiers.base import Tier
 from .tiers.local import LocalTier
@@ -266,14 +266,36 @@ class Checkpointer:
             buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
             t2 = time.perf_counter()
             overlapped = (self._overlap if overlap is None else overlap) and any(flat.deferrable)
-            try:
-                stage_into(buf, flat, plan, deferred=False if overlapped else None)
-            except BaseException:
-                self._pool.release(buf)
-                raise
+            job = StagedSave(
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                tree=flat.tree,
+                leaves=flat.leaves,
+                plan=plan,
+                buffer=buf,
+                handle=handle,
+                progress=None if overlapped else StageProgress(),
+            )
             if overlapped:
+                try:
+                    stage_into(buf, flat, plan, deferred=False)
+                except BaseException:
+                    self._pool.release(buf)
+                    raise
                 self._guard(flat.optimizers)
                 handle._staged.clear()
+                self._pipeline.submit(job, finish_staging=flat)
+            else:
+                # The writer starts now and follows the copy block by block, so writing
+                # overlaps copying; on failure it drops the step and we raise the cause.
+                assert job.progress is not None
+                self._pipeline.submit(job)
+                try:
+                    stage_into(buf, flat, plan, progress=job.progress)
+                except BaseException:
+                    job.progress.fail()
+                    raise
             t3 = time.perf_counter()
             stats.bytes = plan.total_bytes
             stats.allocated = self._pool.allocations != allocations
@@ -281,20 +303,6 @@ class Checkpointer:
             stats.stage_s = t3 - t2
             stats.stall_s = t3 - t0
             self._latest_known = step
-            self._pipeline.submit(
-                StagedSave(
-                    step=step,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    tree=flat.tree,
-                    leaves=flat.leaves,
-                    plan=plan,
-                    buffer=buf,
-                    handle=handle,
-                    returned_at=time.monotonic(),
-                ),
-                finish_staging=flat if overlapped else None,
-            )
             return handle
 
     def _guard(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -24,7 +24,8 @@ class SaveStats:
         allocated: whether this save had to allocate (or grow) a host buffer.
         background_stage_s: for an overlapped save, the copy that ran after `save()`
             returned (module parameters and optimizer state), overlapping training.
-        tier_s: per tier, seconds from `save()` returning until durable there.
+        tier_s: per tier, seconds from the start of `save()` until durable there (the
+            tier-1 write starts while the copy is still running).
     """
 
     step: int

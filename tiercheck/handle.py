@@ -45,6 +45,7 @@ class SaveHandle:
         self.step = step
         self.tiers = tuple(tiers)
         self.stats = SaveStats(step=step)
+        self.started_at = time.monotonic()  # save() creates the handle as it starts; tier times count from here
         self._events = {t: threading.Event() for t in self.tiers}
         self._staged = threading.Event()
         self._staged.set()  # cleared by the checkpointer for an overlapped save

@@ -44,7 +44,7 @@ from .manifest import (
 from .planner import ShardPlan
 from .priority import lower_current_thread
 from .retention import RetentionPolicy, plan_deletions
-from .staging import HostBuffer, HostBufferPool, stage_into
+from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
 from .state import FlatState, JsonNode, Leaf
 from .tiers.base import Tier
 
@@ -64,7 +64,7 @@ class StagedSave:
     plan: ShardPlan
     buffer: HostBuffer
     handle: SaveHandle
-    returned_at: float  # monotonic time save() returned
+    progress: StageProgress | None = None  # set when the writer may start before the copy ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,6 @@ class _Upload:
     step: int
     rank: int
     handle: SaveHandle | None  # None: a catch-up upload of a step from an earlier run
-    returned_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,13 +306,16 @@ class Pipeline:
         error: TierError | None = None
         try:
             self._write_staged(tier, item)
+        except StagingAborted:
+            self._drop_unstaged(item)
+            return
         except Exception as exc:
             error = tier_error(exc, item.step, tier, "writing")
-        item.handle.stats.tier_s[tier.name] = time.monotonic() - item.returned_at
+        item.handle.stats.tier_s[tier.name] = time.monotonic() - item.handle.started_at
         if error is None:
             self._pool.release(item.buffer)
             if self.remote is not None:
-                self._queue_upload(_Upload(item.step, item.rank, item.handle, item.returned_at))
+                self._queue_upload(_Upload(item.step, item.rank, item.handle))
         elif self.remote is not None:
             # Tier 1 failed (disk full, say): the snapshot is still in host memory, so it
             # goes to tier 2 from there, and the step is not lost with the local disk.
@@ -323,6 +325,12 @@ class Pipeline:
         self._finish(item.step, tier.name, error)
         if error is None:
             self._report(self._prune(tier, item.step))
+
+    def _drop_unstaged(self, item: StagedSave) -> None:
+        """The copy failed in save(), which raised it to the caller: drop the step quietly."""
+        self._pool.release(item.buffer)
+        for name in item.handle.tiers:
+            self._finish(item.step, name, TiercheckError(f"step {item.step} was never staged"))
 
     def _report(self, error: TierError | None) -> None:
         if error is not None:
@@ -342,11 +350,14 @@ class Pipeline:
             error: TierError | None = None
             try:
                 self._write_staged(tier, item)
+            except StagingAborted:
+                self._drop_unstaged(item)
+                return
             except Exception as exc:
                 error = tier_error(exc, item.step, tier, "uploading")
             finally:
                 self._pool.release(item.buffer)
-            item.handle.stats.tier_s[tier.name] = time.monotonic() - item.returned_at
+            item.handle.stats.tier_s[tier.name] = time.monotonic() - item.handle.started_at
             self._finish(item.step, tier.name, error)
             if error is None:
                 self._report(self._prune(tier, item.step))
@@ -367,7 +378,7 @@ class Pipeline:
             with self._lock:
                 self._uploading = None
         if item.handle is not None:
-            item.handle.stats.tier_s[tier.name] = time.monotonic() - item.returned_at
+            item.handle.stats.tier_s[tier.name] = time.monotonic() - item.handle.started_at
             self._finish(item.step, tier.name, error)
         elif error is not None:
             self._report(error)
@@ -433,7 +444,7 @@ class Pipeline:
             if newest in self._tracks:
                 return
         logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", newest)
-        self._uploader_put(_Upload(newest, 0, None, time.monotonic()))
+        self._uploader_put(_Upload(newest, 0, None))
 
     def _copy_from_local(self, step: int, rank: int) -> None:
         src, dst = self.local, self.remote
@@ -471,10 +482,12 @@ class Pipeline:
             if leaf.alias_of is not None:
                 futures.append("")  # filled from the first leaf below
             else:
-                futures.append(self._hasher.submit(self._checksum, job.buffer.view(off + leaf.nbytes)[off:]))
+                futures.append(self._hasher.submit(self._staged_checksum, job, off, leaf.nbytes))
+        ready = job.progress.wait if job.progress is not None else None
         writer = tier.open_step(job.step, job.rank)
         try:
-            stored = writer.write_file(shard, job.buffer.view(job.plan.total_bytes), job.buffer.aligned, compress=True)
+            view = job.buffer.view(job.plan.total_bytes)
+            stored = writer.write_file(shard, view, job.buffer.aligned, compress=True, ready=ready)
             compressed = tier.codec != "raw"
             sums = [f if isinstance(f, str) else f.result() for f in futures]
             for i, leaf in enumerate(job.leaves):
@@ -506,6 +519,11 @@ class Pipeline:
                     f.cancel()
             writer.abort()
             raise
+
+    def _staged_checksum(self, job: StagedSave, off: int, nbytes: int) -> str:
+        if job.progress is not None:
+            job.progress.wait(off + nbytes)
+        return self._checksum(job.buffer.view(off + nbytes)[off:])
 
     def _prune(self, tier: Tier, newest: int | None) -> TierError | None:
         try:

@@ -102,15 +102,54 @@ class HostBufferPool:
             return sum(b.nbytes for b in self._free)
 
 
+class StagingAborted(Exception):
+    """The copy into the host buffer failed; `save()` raises the cause to its caller."""
+
+
+class StageProgress:
+    """How much of a host buffer's prefix is already copied, so the writer can write a
+    block as soon as it is staged: the write overlaps the rest of the copy."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ready = 0
+        self._failed = False
+
+    def advance(self, upto: int) -> None:
+        with self._cond:
+            if upto > self._ready:
+                self._ready = upto
+                self._cond.notify_all()
+
+    def fail(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
+    def wait(self, upto: int) -> None:
+        """Block until bytes [0, upto) are staged; raise StagingAborted if the copy failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready >= upto or self._failed)
+            if self._ready < upto:
+                raise StagingAborted("the copy into host memory failed")
+
+
 def needs_pinned(sources: Sequence[object]) -> bool:
     return any(isinstance(s, torch.Tensor) and s.device.type == "cuda" for s in sources)
 
 
-def stage_into(buf: HostBuffer, flat: FlatState, plan: ShardPlan, deferred: bool | None = None) -> None:
+def stage_into(
+    buf: HostBuffer,
+    flat: FlatState,
+    plan: ShardPlan,
+    deferred: bool | None = None,
+    progress: StageProgress | None = None,
+) -> None:
     """Copy every leaf's bytes into `buf` at the planned offsets; returns when the copy is done.
 
     `deferred` selects a subset: True copies only the leaves `flat.deferrable` marks, False
-    only the others, None all of them.
+    only the others, None all of them. `progress`, for a full copy, is advanced leaf by
+    leaf (offsets only grow), and to the whole buffer at the end.
 
     CUDA tensors are copied on a side stream with non_blocking copies into pinned memory,
     then synchronised once, so the default stream of the training loop is not serialised
@@ -132,6 +171,8 @@ def stage_into(buf: HostBuffer, flat: FlatState, plan: ShardPlan, deferred: bool
                     src.record_stream(cuda_stream)
             else:
                 dst.copy_(src)
+                if progress is not None and cuda_stream is None:
+                    progress.advance(off + leaf.nbytes)  # leaves go in offset order
         elif isinstance(src, np.ndarray):
             dst_np = buf.array[off : off + leaf.nbytes].view(src.dtype).reshape(src.shape)
             np.copyto(dst_np, src, casting="no")
@@ -140,3 +181,5 @@ def stage_into(buf: HostBuffer, flat: FlatState, plan: ShardPlan, deferred: bool
             buf.array[off : off + leaf.nbytes] = np.frombuffer(src, dtype=np.uint8)
     if cuda_stream is not None:
         cuda_stream.synchronize()
+    if progress is not None:
+        progress.advance(plan.total_bytes)

@@ -22,18 +22,28 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 
 class StepWriter(ABC):
     """Writes one step's files on a tier; see the module docstring for the call order."""
 
     @abstractmethod
-    def write_file(self, name: str, data: memoryview, aligned: bool = False, compress: bool = False) -> int:
+    def write_file(
+        self,
+        name: str,
+        data: memoryview,
+        aligned: bool = False,
+        compress: bool = False,
+        ready: Callable[[int], None] | None = None,
+    ) -> int:
         """Write the whole file `name` of this step and return the bytes stored.
 
         `aligned` promises that `data` starts on a page boundary and its length is a
         multiple of 4096 (O_DIRECT may be used). `compress` allows the tier to store the
-        file with its `codec` (shard files only; the stored size is then returned)."""
+        file with its `codec` (shard files only; the stored size is then returned).
+        `ready(n)`, if given, blocks until the first `n` bytes of `data` are final: call it
+        before reading each block (the copy into `data` may still be running)."""
 
     def write_from_path(self, name: str, local_path: str, compress: bool = False) -> int:
         """Write file `name` with the contents of the local file `local_path` (streamed

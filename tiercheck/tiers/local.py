@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable
 
 from .. import layout
 from ..errors import CheckpointCorruptedError
@@ -139,7 +140,9 @@ class LocalTier(Tier):
 
     # -- writing ------------------------------------------------------------------
 
-    def write_file(self, path: str, data: memoryview, aligned: bool) -> None:
+    def write_file(
+        self, path: str, data: memoryview, aligned: bool, ready: Callable[[int], None] | None = None
+    ) -> None:
         if aligned and self.direct_io and len(data) % 4096 == 0:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
@@ -148,7 +151,7 @@ class LocalTier(Tier):
                     raise
             else:
                 try:
-                    self._write_all(fd, data)
+                    self._write_all(fd, data, ready)
                 except OSError as exc:
                     os.close(fd)
                     if exc.errno != errno.EINVAL:
@@ -160,16 +163,18 @@ class LocalTier(Tier):
                     return
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            self._write_all(fd, data)
+            self._write_all(fd, data, ready)
         except BaseException:
             os.close(fd)
             raise
         self._finish(fd)
 
-    def _write_all(self, fd: int, data: memoryview) -> None:
+    def _write_all(self, fd: int, data: memoryview, ready: Callable[[int], None] | None = None) -> None:
         pos, total, block = 0, len(data), self.block_size
         while pos < total:
             n = min(block, total - pos)
+            if ready is not None:
+                ready(pos + n)
             self.limiter.consume(n)
             pos += os.write(fd, data[pos : pos + n])
 
@@ -187,8 +192,19 @@ class _LocalStepWriter(StepWriter):
         self._step = step
         self._tmp = tmp
 
-    def write_file(self, name: str, data: memoryview, aligned: bool = False, compress: bool = False) -> int:
-        self._tier.write_file(os.path.join(self._tmp, name), data, aligned)
+    def write_file(
+        self,
+        name: str,
+        data: memoryview,
+        aligned: bool = False,
+        compress: bool = False,
+        ready: Callable[[int], None] | None = None,
+    ) -> int:
+        path = os.path.join(self._tmp, name)
+        if ready is None:
+            self._tier.write_file(path, data, aligned)
+        else:
+            self._tier.write_file(path, data, aligned, ready)
         return len(data)
 
     def commit(self, marker: bytes) -> None:

@@ -199,7 +199,11 @@ class RemoteTier(Tier):
 
         return self._call(f"uploading {path}", put)
 
-    def put_bytes(self, path: str, data: memoryview, compress: bool = False) -> int:
+    def put_bytes(
+        self, path: str, data: memoryview, compress: bool = False, ready: Callable[[int], None] | None = None
+    ) -> int:
+        if ready is not None:  # object stores take whole parts: wait for the copy to finish
+            ready(len(data))
         if len(data) <= self.block_size and not (compress and self.codec == "zstd"):
 
             def pipe() -> int:
@@ -227,10 +231,17 @@ class _RemoteStepWriter(StepWriter):
         self._step = step
         self._written: list[str] = []
 
-    def write_file(self, name: str, data: memoryview, aligned: bool = False, compress: bool = False) -> int:
+    def write_file(
+        self,
+        name: str,
+        data: memoryview,
+        aligned: bool = False,
+        compress: bool = False,
+        ready: Callable[[int], None] | None = None,
+    ) -> int:
         path = self._tier._path(self._step, name)
         self._written.append(path)
-        return self._tier.put_bytes(path, data, compress)
+        return self._tier.put_bytes(path, data, compress, ready)
 
     def write_from_path(self, name: str, local_path: str, compress: bool = False) -> int:
         path = self._tier._path(self._step, name)
