@@ -57,3 +57,30 @@ def test_free_space_check_names_the_shortfall(tmp_path: Path, monkeypatch) -> No
     assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
     assert "short by" in str(info.value) and "step 1" in str(info.value)
     assert os.listdir(tmp_path) == []  # nothing was written
+
+
+def test_a_failed_copy_raises_in_save_and_later_saves_work(tmp_path: Path, monkeypatch) -> None:
+    from tiercheck import staging
+
+    original = staging.stage_into
+    calls = {"n": 0}
+
+    def flaky(buf, flat, plan, deferred=None, progress=None):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device copy failed (injected)")
+        original(buf, flat, plan, deferred, progress)
+
+    monkeypatch.setattr("tiercheck.checkpointer.stage_into", flaky)
+    remote = f"memory://copyfail-{uuid.uuid4().hex}"
+    with tiercheck.Checkpointer(local=tmp_path, remote=remote, keep_local=None) as ckpt:
+        ckpt.save(1, {"x": torch.full((4096,), 1.0)}).wait()
+        with pytest.raises(RuntimeError, match="injected"):
+            ckpt.save(2, {"x": torch.full((4096,), 2.0)})
+        ckpt.wait()  # nothing about step 2 is raised again, nothing hangs
+        for step in (3, 4):
+            ckpt.save(step, {"x": torch.full((4096,), float(step))}).wait()
+        assert ckpt.steps("local") == [1, 3, 4]
+        assert ckpt.steps("remote") == [1, 3, 4]
+        assert ckpt._pool.allocations == 1
+    assert torch.equal(tiercheck.load(tmp_path, step=4)["x"], torch.full((4096,), 4.0))

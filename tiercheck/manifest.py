@@ -21,7 +21,7 @@ from .state import JsonNode, Leaf
 
 FORMAT = "tiercheck"
 VERSION = 1
-MAX_DEPTH = 512
+MAX_DEPTH = 256  # tree levels; the reader's recursion stays well inside Python's limit
 MAX_NDIM = 64
 _NODE_TYPES = frozenset(
     {"dict", "list", "tuple", "none", "bool", "int", "float", "str", "tensor", "ndarray",

@@ -303,15 +303,10 @@ class Pipeline:
             self._report(self._prune(tier, None))
             return
         assert isinstance(item, StagedSave)
-        error: TierError | None = None
         try:
-            self._write_staged(tier, item)
+            error = self._write_from_buffer(tier, item, "writing")
         except StagingAborted:
-            self._drop_unstaged(item)
             return
-        except Exception as exc:
-            error = tier_error(exc, item.step, tier, "writing")
-        item.handle.stats.tier_s[tier.name] = time.monotonic() - item.handle.started_at
         if error is None:
             self._pool.release(item.buffer)
             if self.remote is not None:
@@ -325,6 +320,20 @@ class Pipeline:
         self._finish(item.step, tier.name, error)
         if error is None:
             self._report(self._prune(tier, item.step))
+
+    def _write_from_buffer(self, tier: Tier, item: StagedSave, doing: str) -> TierError | None:
+        """Write a staged step to `tier`; the caller releases the buffer. If the copy itself
+        failed, drop the step (save() raised the cause) and raise StagingAborted."""
+        error: TierError | None = None
+        try:
+            self._write_staged(tier, item)
+        except StagingAborted:
+            self._drop_unstaged(item)
+            raise
+        except Exception as exc:
+            error = tier_error(exc, item.step, tier, doing)
+        item.handle.stats.tier_s[tier.name] = time.monotonic() - item.handle.started_at
+        return error
 
     def _drop_unstaged(self, item: StagedSave) -> None:
         """The copy failed in save(), which raised it to the caller: drop the step quietly."""
@@ -346,18 +355,12 @@ class Pipeline:
         if isinstance(item, _CatchUp):
             self._catch_up(tier)
             return
-        if isinstance(item, StagedSave):  # no tier 1: straight from the host buffer
-            error: TierError | None = None
+        if isinstance(item, StagedSave):  # no tier 1 (or it failed): from the host buffer
             try:
-                self._write_staged(tier, item)
+                error = self._write_from_buffer(tier, item, "uploading")
             except StagingAborted:
-                self._drop_unstaged(item)
                 return
-            except Exception as exc:
-                error = tier_error(exc, item.step, tier, "uploading")
-            finally:
-                self._pool.release(item.buffer)
-            item.handle.stats.tier_s[tier.name] = time.monotonic() - item.handle.started_at
+            self._pool.release(item.buffer)
             self._finish(item.step, tier.name, error)
             if error is None:
                 self._report(self._prune(tier, item.step))

@@ -362,6 +362,8 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
         binder = _Binder(manifest, step)
         try:
             produce = binder.bind(template, manifest.tree, ROOT, strict)
+        except RecursionError:
+            raise CheckpointCorruptedError(f"{tier.path_of(step)}: the state tree is nested too deep") from None
         except (MemoryError, RuntimeError) as exc:  # sizes a compressed shard cannot bound
             raise CheckpointCorruptedError(
                 f"{tier.path_of(step)}: cannot allocate what the manifest claims: {exc}"

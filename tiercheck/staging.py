@@ -86,6 +86,8 @@ class HostBufferPool:
 
     def release(self, buf: HostBuffer) -> None:
         with self._cond:
+            if any(b is buf for b in self._free):  # two owners of one buffer would tear saves
+                raise RuntimeError("tiercheck internal error: host buffer released twice")
             self._free.append(buf)
             self._cond.notify()
 

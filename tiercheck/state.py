@@ -20,7 +20,7 @@ from .errors import UnsupportedStateError
 JsonNode = dict[str, Any]
 
 ROOT = "state"
-MAX_DEPTH = 256  # readers accept 512 tree levels; stateful nodes take two
+MAX_DEPTH = 200  # tree levels (a stateful object takes two); readers accept 256
 
 
 def key_path(parent: str, key: object) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Callable
 
 from .. import layout
@@ -102,12 +103,17 @@ class LocalTier(Tier):
         return _LocalStepWriter(self, step, tmp)
 
     def read_bytes(self, step: int, name: str, limit: int) -> bytes:
-        path = self.path_of(step, name)
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-        if len(data) > limit:
-            raise CheckpointCorruptedError(f"{path}: larger than the {limit}-byte limit")
-        return data
+        f = _LocalFile(self.path_of(step, name))
+        try:
+            if f.size > limit:
+                raise CheckpointCorruptedError(f"{f.path}: {f.size} bytes, over the {limit}-byte limit")
+            data = bytearray(f.size)
+            f.read_into(0, memoryview(data))
+            return bytes(data)
+        except EOFError as exc:
+            raise CheckpointCorruptedError(str(exc)) from None
+        finally:
+            f.close()
 
     def open_file(self, step: int, name: str) -> ReadableFile:
         return _LocalFile(self.path_of(step, name))
@@ -232,8 +238,13 @@ class _LocalStepWriter(StepWriter):
 class _LocalFile(ReadableFile):
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self._fd).st_size
+        # O_NONBLOCK: opening a FIFO planted in a checkpoint must not wait for a writer.
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self._fd)
+            raise CheckpointCorruptedError(f"{path}: not a regular file")
+        self.size = st.st_size
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         pos, total = 0, len(dest)
