@@ -116,7 +116,55 @@ def memory_url_case() -> Iterator[TierCase]:
         fs.rm(f"/{name}", recursive=True)
 
 
-TIER_CASES = ["local_dir_case", "file_url_case", "memory_url_case"]
+# Gaps RemoteTier shows only on real servers (memory:// and file:// forgive them), marked as
+# strict xfails per (case, test) here, so the tests themselves stay the same for every tier.
+_RANGE_BUG = (
+    "library bug: RemoteTier asks for a byte range the object does not have (read_bytes of an empty "
+    "object: cat_file(start=0, end=limit+1); read_into at or past the end) and the server answers 416 "
+    "InvalidRange, which s3fs raises as OSError(EINVAL) and adlfs as azure HttpResponseError, instead of "
+    "returning b'' / raising EOFError as the Tier contract says"
+)
+SERVER_XFAILS: dict[str, dict[str, str]] = {
+    "seaweedfs_case": dict.fromkeys(
+        [
+            "test_read_bytes",
+            "test_open_file_and_read_into_ranges",
+            "test_open_file_of_an_empty_file",
+            "test_write_from_path",
+        ],
+        _RANGE_BUG,
+    ),
+    "azurite_case": dict.fromkeys(
+        ["test_read_bytes", "test_open_file_and_read_into_ranges", "test_write_from_path"], _RANGE_BUG
+    ),
+}
+
+
+def server_case(name: str, server: Any, request: pytest.FixtureRequest) -> TierCase:
+    """A case on a real object-store server from tests/servers (a fresh prefix per test)."""
+    reason = SERVER_XFAILS.get(name, {}).get(request.node.originalname)
+    if reason is not None:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    opts = {k: v for k, v in server.storage_options.items() if k != "skip_instance_cache"}
+    return remote_case(server.protocol, server.unique_url("conf"), opts)
+
+
+@pytest.fixture
+def seaweedfs_case(seaweedfs_healthy: Any, request: pytest.FixtureRequest) -> TierCase:
+    return server_case("seaweedfs_case", seaweedfs_healthy, request)
+
+
+@pytest.fixture
+def azurite_case(azurite: Any, request: pytest.FixtureRequest) -> TierCase:
+    return server_case("azurite_case", azurite, request)
+
+
+@pytest.fixture
+def gcs_case(gcs_server: Any, request: pytest.FixtureRequest) -> TierCase:
+    return server_case("gcs_case", gcs_server, request)
+
+
+TIER_CASES = ["local_dir_case", "file_url_case", "memory_url_case", "seaweedfs_case", "azurite_case", "gcs_case"]
 
 
 @pytest.fixture(params=TIER_CASES)
