@@ -445,13 +445,6 @@ def test_blackhole_save_stays_fast_and_upload_recovers(
     assert restore_fresh(tmp_path, url, seaweedfs_proxy.server.storage_options, make_state(3)) == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a step uploading into a blackhole fails only after ~80 s with remote_timeout=1 and "
-    "remote_retry_budget=1: s3fs retries every call 5 more times on ReadTimeoutError (S3FileSystem.retries, "
-    "not settable through storage_options), botocore 2 attempts each, and abort()'s best-effort delete_object "
-    "runs the same loop before the error is reported",
-)
 def test_blackhole_failure_bounded_by_timeout_and_budget(
     seaweedfs_proxy: ProxiedServer, tmp_path: Path, closing: Any
 ) -> None:
@@ -515,13 +508,6 @@ def test_reset_mid_upload_never_looks_complete(seaweedfs_proxy: ProxiedServer, t
     assert restore_fresh(tmp_path, url, seaweedfs_proxy.server.storage_options, state) == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: after every upload the uploader lists the whole remote prefix for retention even "
-    "with keep_remote=None (keep everything); an outage that begins right after a step's marker is written "
-    "then surfaces as TierError 'failed applying retention after step N' for a step that is safely "
-    "committed, and the listing retries hold up the next upload for the whole budget",
-)
 def test_outage_right_after_commit_with_keep_all(
     seaweedfs_proxy: ProxiedServer, tmp_path: Path, closing: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -634,13 +620,6 @@ def test_sigstop_short_hang_is_ridden_out(seaweedfs_healthy: SeaweedFS, tmp_path
     assert restore_fresh(tmp_path, url, server.storage_options, make_state(3)) == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a PUT whose body does not fit the socket buffers of a hung (SIGSTOPped) server "
-    "never returns: botocore's read_timeout (aiohttp sock_read) does not bound sending the body and "
-    "tiercheck sets no overall per-request deadline, so the upload hangs until SIGCONT; without a local "
-    "tier it holds the only host buffer and the next save() blocks with it",
-)
 def test_sigstop_hang_longer_than_budget_is_bounded(seaweedfs_healthy: SeaweedFS, closing: Any) -> None:
     server = seaweedfs_healthy
     url = server.unique_url("stopb")

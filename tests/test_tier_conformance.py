@@ -116,28 +116,9 @@ def memory_url_case() -> Iterator[TierCase]:
         fs.rm(f"/{name}", recursive=True)
 
 
-# Gaps RemoteTier shows only on real servers (memory:// and file:// forgive them), marked as
-# strict xfails per (case, test) here, so the tests themselves stay the same for every tier.
-_RANGE_BUG = (
-    "library bug: RemoteTier asks for a byte range the object does not have (read_bytes of an empty "
-    "object: cat_file(start=0, end=limit+1); read_into at or past the end) and the server answers 416 "
-    "InvalidRange, which s3fs raises as OSError(EINVAL) and adlfs as azure HttpResponseError, instead of "
-    "returning b'' / raising EOFError as the Tier contract says"
-)
-SERVER_XFAILS: dict[str, dict[str, str]] = {
-    "seaweedfs_case": dict.fromkeys(
-        [
-            "test_read_bytes",
-            "test_open_file_and_read_into_ranges",
-            "test_open_file_of_an_empty_file",
-            "test_write_from_path",
-        ],
-        _RANGE_BUG,
-    ),
-    "azurite_case": dict.fromkeys(
-        ["test_read_bytes", "test_open_file_and_read_into_ranges", "test_write_from_path"], _RANGE_BUG
-    ),
-}
+# Gaps a tier shows only on real servers, as strict xfails per (case, test), so the tests
+# themselves stay the same for every tier. Empty now; keep the mechanism for the next one.
+SERVER_XFAILS: dict[str, dict[str, str]] = {}
 
 
 def server_case(name: str, server: Any, request: pytest.FixtureRequest) -> TierCase:

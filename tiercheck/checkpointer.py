@@ -71,7 +71,9 @@ class Checkpointer:
         remote_retry_budget: seconds a transient object-store failure (connection refused or
             reset, timeout, 5xx, throttling) is retried, with exponential backoff and jitter,
             before the upload is reported failed. Covers an outage of that length.
-        remote_timeout: default connect/read timeout in seconds for S3 clients (put into
+        remote_timeout: seconds one attempt of one object-store call may take, plus 1 s per
+            MiB it moves, before it counts as a transient failure (a hung server cannot stall
+            an upload forever). For S3 it is also botocore's connect/read timeout (put into
             ``storage_options["config_kwargs"]`` unless you set it there yourself).
         upload_backlog: when tier 2 falls behind, "newest" (default) uploads only the newest
             pending step and skips older pending ones, so the backlog (and the tier-1 steps kept
@@ -142,6 +144,7 @@ class Checkpointer:
                 remote,
                 _with_timeouts(remote, storage_options, remote_timeout),
                 retry=RetryPolicy(budget_s=remote_retry_budget),
+                op_timeout=remote_timeout,
                 write_rate=remote_write_rate,
                 compression=remote_compression,
             )

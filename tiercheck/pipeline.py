@@ -43,7 +43,7 @@ from .manifest import (
 )
 from .planner import ShardPlan
 from .priority import lower_current_thread
-from .retention import RetentionPolicy, plan_deletions
+from .retention import KeepAll, RetentionPolicy, plan_deletions
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
 from .state import FlatState, JsonNode, Leaf
 from .tiers.base import Tier
@@ -529,6 +529,8 @@ class Pipeline:
         return self._checksum(job.buffer.view(off + nbytes)[off:])
 
     def _prune(self, tier: Tier, newest: int | None) -> TierError | None:
+        if isinstance(self._keep[tier.name], KeepAll):
+            return None  # nothing to delete: don't even list (an object store may be down)
         try:
             committed = tier.committed_steps()
             if tier is self.local:  # steps still to be uploaded stay on tier 1

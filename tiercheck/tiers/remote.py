@@ -36,6 +36,9 @@ class RemoteTier(Tier):
             A fresh filesystem instance is created (``skip_instance_cache``), so credentials
             are never served from a stale cached client.
         retry: backoff and time budget for transient errors.
+        op_timeout: seconds one attempt of one call may take (plus 1 s per MiB it moves)
+            before it is abandoned as a transient failure. Client libraries do not bound
+            every wait (s3fs never times out sending a body to a hung server); this does.
         block_size: bytes per streamed write (multipart part size on S3).
         write_rate: optional cap in bytes/s for uploads.
         compression: None, or "zstd" to store shard files zstd-compressed (level
@@ -53,6 +56,7 @@ class RemoteTier(Tier):
         write_rate: float | None = None,
         compression: str | None = None,
         compression_level: int = 1,
+        op_timeout: float = 60.0,
     ) -> None:
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
@@ -70,6 +74,7 @@ class RemoteTier(Tier):
         self.block_size = block_size
         self.limiter = RateLimiter(write_rate)
         self.stopping = threading.Event()  # set on close: stop retrying
+        self.op_timeout = op_timeout
         self._patched_client: object = None
 
     def _bound_writes(self) -> None:
@@ -89,13 +94,40 @@ class RemoteTier(Tier):
         client.meta.events.unregister("before-call.s3", add_expect_header)
         self._patched_client = client
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def _call(self, what: str, fn: Callable[[], T], nbytes: int = 0) -> T:
         def log(exc: BaseException, attempt: int, delay: float) -> None:
-            logger.warning(
-                "tier %r: %s failed (attempt %d: %r); retrying in %.1fs", self.name, what, attempt, exc, delay
-            )
+            msg = "tier %r: %s failed (attempt %d: %r); retrying in %.1fs"
+            logger.warning(msg, self.name, what, attempt, exc, delay)
 
-        return self.retry.run(fn, on_retry=log, stop=self.stopping.is_set)
+        deadline = self.op_timeout + nbytes / (1 << 20)
+        return self.retry.run(lambda: self._attempt(what, fn, deadline), on_retry=log, stop=self.stopping.is_set)
+
+    def _attempt(self, what: str, fn: Callable[[], T], deadline: float) -> T:
+        """Run one attempt on its own daemon thread and stop waiting after `deadline` s.
+
+        A thread stuck in the client (a hung server) is abandoned, not killed. If it
+        finishes later, what it wrote is the same bytes a retry writes, or, in the rare
+        case of a marker upload that hung, gave up and then went through after `abort()`,
+        a marker whose files are gone: restore then finds that step damaged and falls back
+        to an older one; it never returns its bytes."""
+        results: list[T] = []
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                results.append(fn())
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="tiercheck-remote-call", daemon=True).start()
+        if not done.wait(deadline):
+            raise TimeoutError(f"tier {self.name!r}: {what} took longer than {deadline:.0f}s")
+        if errors:
+            raise errors[0]
+        return results[0]
 
     def _path(self, step: int, name: str | None = None) -> str:
         d = f"{self.root}/{layout.step_dir_name(step)}"
@@ -138,7 +170,19 @@ class RemoteTier(Tier):
 
     def read_bytes(self, step: int, name: str, limit: int) -> bytes:
         path = self._path(step, name)
-        data: bytes = self._call(f"reading {path}", lambda: self.fs.cat_file(path, start=0, end=limit + 1))
+
+        def fetch() -> bytes:
+            try:
+                data: bytes = self.fs.cat_file(path, start=0, end=limit + 1)
+            except FileNotFoundError:
+                raise
+            except Exception:  # S3 and Azure answer a ranged read of an empty object with 416
+                if self.fs.info(path).get("size") == 0:
+                    return b""
+                raise
+            return data
+
+        data = self._call(f"reading {path}", fetch)
         if len(data) > limit:
             raise CheckpointCorruptedError(f"{self.path_of(step, name)}: larger than the {limit}-byte limit")
         return data
@@ -174,7 +218,9 @@ class RemoteTier(Tier):
 
         return zstandard.ZstdCompressor(level=self.compression_level).compressobj()
 
-    def put_chunks(self, path: str, chunks: Callable[[], Iterator[bytes | memoryview]], compress: bool) -> int:
+    def put_chunks(
+        self, path: str, chunks: Callable[[], Iterator[bytes | memoryview]], compress: bool, nbytes: int
+    ) -> int:
         """Stream the chunks `chunks()` yields to `path` (retried from the start); return the
         number of bytes stored."""
         compress = compress and self.codec == "zstd"
@@ -197,7 +243,7 @@ class RemoteTier(Tier):
                     stored += len(tail)
             return stored
 
-        return self._call(f"uploading {path}", put)
+        return self._call(f"uploading {path}", put, nbytes)
 
     def put_bytes(
         self, path: str, data: memoryview, compress: bool = False, ready: Callable[[int], None] | None = None
@@ -212,9 +258,11 @@ class RemoteTier(Tier):
                 self.fs.pipe_file(path, bytes(data))
                 return len(data)
 
-            return self._call(f"uploading {path}", pipe)
+            return self._call(f"uploading {path}", pipe, len(data))
         block = self.block_size
-        return self.put_chunks(path, lambda: (data[p : p + block] for p in range(0, len(data), block)), compress)
+        return self.put_chunks(
+            path, lambda: (data[p : p + block] for p in range(0, len(data), block)), compress, len(data)
+        )
 
     def put_local_file(self, path: str, local_path: str, compress: bool = False) -> int:
         def chunks() -> Iterator[bytes]:
@@ -222,7 +270,7 @@ class RemoteTier(Tier):
                 while chunk := src.read(self.block_size):
                     yield chunk
 
-        return self.put_chunks(path, chunks, compress)
+        return self.put_chunks(path, chunks, compress, os.path.getsize(local_path))
 
 
 class _RemoteStepWriter(StepWriter):
@@ -254,9 +302,10 @@ class _RemoteStepWriter(StepWriter):
         self._tier.put_bytes(path, memoryview(marker))
 
     def abort(self) -> None:
-        for path in self._written:
+        tier = self._tier
+        for path in reversed(self._written):  # the marker first
             try:
-                self._tier.fs.rm_file(path)
+                tier._attempt(f"removing {path}", lambda p=path: tier.fs.rm_file(p), tier.op_timeout)  # type: ignore[misc]
             except Exception:  # best effort: an unmarked step is invisible anyway
                 logger.debug("tier %r: could not remove %s after a failed upload", self._tier.name, path)
 
@@ -269,6 +318,8 @@ class _RemoteFile(ReadableFile):
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         pos, total, step = 0, len(dest), 64 << 20
+        if offset + total > self.size:  # servers answer 416 there; say what it means
+            raise EOFError(f"{self._path}: file ends at byte {self.size}, before byte {offset + total}")
         while pos < total:
             n = min(step, total - pos)
             start = offset + pos
