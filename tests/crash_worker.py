@@ -1,35 +1,56 @@
 """Crash-test worker: saves a deterministic state, step after step, until it is killed.
 
 The state saved as step N is a pure function of N (`make_state`), so whoever inspects
-the directory afterwards knows the exact bytes every committed step must hold.
+the tiers afterwards knows the exact bytes every committed step must hold.
 
 Modes::
 
-    python crash_worker.py run DIR [MAX_STEPS]
-        Open a Checkpointer on DIR (keep_local=3), restore the newest step if any (and
-        check it bit-exact against `make_state`), then save latest+1, latest+2, ...,
-        printing ``committed N`` after each ``handle.wait()`` returns.
+    python crash_worker.py run LOCAL_DIR [--remote DIR] [--keep-local N] [--keep-remote N]
+                               [--widen S] [--kill-at POINT [--kill-step N]] [--max-steps N]
+        Open a Checkpointer on LOCAL_DIR (and on ``file://DIR`` as tier 2 with --remote),
+        restore the newest step if any (and check it bit-exact against `make_state`), then
+        save latest+1, latest+2, ... After each save it waits until the step is durable on
+        tier 1 and prints ``durable local N``; it prints ``durable remote N`` once an upload
+        it did not wait for has finished (``skipped remote N`` when a newer step overtook it).
 
     python crash_worker.py zygote
         Import torch and tiercheck once, then serve requests read from stdin, one a line,
         so that a crash campaign does not pay the interpreter start-up per kill:
-          ``run DIR OUTFILE MAX_STEPS`` fork a child running ``run`` with its stdout and
+          ``run OUTFILE ARGS...`` fork a child running ``run ARGS...`` with its stdout and
             stderr sent to OUTFILE; answer ``pid PID``.
           ``reap PID`` wait for that child to end; answer ``reaped PID STATUS``.
         The zygote never runs a torch operation before forking, so no OpenMP or
         intra-op thread pool exists that a forked child could inherit in a bad state.
 
-Lines the ``run`` mode prints: ``ready`` (imports done, before the Checkpointer
-starts), ``resumed N`` (restored step N and it matched), ``torn N <why>`` (restored
-step N did not match: exit status 3), ``committed N``, ``done``.
+Phases. The ``run`` mode wraps tier methods (in the worker process only) to print
+``enter PHASE STEP`` / ``leave PHASE STEP`` around each phase of the save path, so the
+campaign can aim a kill at a phase and afterwards tell which phases a kill interrupted:
+staging, local-write, local-commit, local-prune, upload, remote-commit, remote-prune (and
+startup, restore). With ``--widen S`` each phase also sleeps about S seconds at its
+dangerous instants (a shard half uploaded, a marker written but not renamed, a step
+renamed to trash, a remote marker deleted before the data), so that a random kill lands
+there often enough. ``--kill-at POINT`` makes the worker SIGKILL itself at exactly one of
+`KILL_POINTS`, the first time it passes it at a step >= ``--kill-step``.
+
+Other lines: ``ready`` (imports done, before the Checkpointer starts), ``resumed N``
+(restored step N and it matched), ``torn N <why>`` (restored step N did not match: exit
+status 3), ``suicide POINT N`` (just before a --kill-at kill), ``error ...`` (an
+unexpected exception: exit status 4), ``done``.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import re
+import shutil
+import signal
 import struct
 import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -37,7 +58,33 @@ import torch
 
 import tiercheck
 
-KEEP_LOCAL = 3
+KEEP_LOCAL = 3  # the local-only campaign's default
+
+PHASES = (
+    "startup",
+    "restore",
+    "staging",
+    "local-write",
+    "local-commit",
+    "local-prune",
+    "upload",
+    "remote-commit",
+    "remote-prune",
+)
+
+KILL_POINTS = (
+    "local-shard-written",  # shard in the temp dir, manifest not yet
+    "local-marker-written",  # COMMIT in the temp dir, not yet renamed to the step name
+    "local-committed",  # renamed and fsynced; the handle does not know yet
+    "local-trashed",  # retention renamed a step to trash, data not yet removed
+    "remote-shard-partial",  # 1 MiB of the shard uploaded
+    "remote-manifest-written",  # shard and manifest uploaded, no marker
+    "remote-marker-created",  # the COMMIT object exists (file://: created, still empty)
+    "remote-committed",  # the marker upload returned
+    "remote-marker-removed",  # remote retention removed the marker, not yet the data
+)
+
+UPLOAD_PIECE = 512 << 10  # with --widen, uploads are cut into pieces with pauses between
 
 
 def make_state(step: int) -> dict[Any, Any]:
@@ -128,11 +175,274 @@ def say(line: str) -> None:
     os.write(1, (line + "\n").encode())
 
 
-def run(directory: str, max_steps: int) -> int:
+# ------------------------------------------------------------------- instrumentation
+
+_STEP_IN_PATH = re.compile(r"step-([0-9]{12,})")
+
+
+def _step_of(path: str) -> int:
+    m = _STEP_IN_PATH.search(path)
+    return int(m.group(1)) if m else -1
+
+
+def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: str | None) -> None:
+    """Wrap tier methods (in this process) to print phase markers, pause `widen` seconds at
+    the dangerous instants, and SIGKILL this process at `kill_at`."""
+    from fsspec.implementations import local as fs_local
+
+    from tiercheck import checkpointer as ckpt_mod
+    from tiercheck.tiers import local as local_mod
+    from tiercheck.tiers import remote as remote_mod
+
+    def nap(fraction: float) -> None:
+        if widen > 0:
+            time.sleep(widen * fraction)
+
+    def point(name: str, step: int) -> None:
+        if name == kill_at and step >= kill_step:
+            say(f"suicide {name} {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    saving = {"step": -1}
+
+    def wrap(owner: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        setattr(owner, attr, make(getattr(owner, attr)))
+
+    # -- staging (caller thread) ------------------------------------------------------
+
+    def save(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, step: int, *a: Any, **k: Any) -> Any:
+            saving["step"] = step
+            return orig(self, step, *a, **k)
+
+        return wrapper
+
+    def stage_into(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            step = saving["step"]
+            say(f"enter staging {step}")
+            nap(1.0)
+            orig(*a, **k)
+            say(f"leave staging {step}")
+
+        return wrapper
+
+    wrap(ckpt_mod.Checkpointer, "save", save)
+    wrap(ckpt_mod, "stage_into", stage_into)
+
+    # -- tier 1 -------------------------------------------------------------------------
+
+    def local_open_step(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, step: int, *a: Any, **k: Any) -> Any:
+            say(f"enter local-write {step}")
+            return orig(self, step, *a, **k)
+
+        return wrapper
+
+    def local_writer_write(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, name: str, *a: Any, **k: Any) -> Any:
+            n = orig(self, name, *a, **k)
+            if name.endswith(".shard"):
+                point("local-shard-written", self._step)
+            nap(0.5)
+            return n
+
+        return wrapper
+
+    def local_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, *a: Any, **k: Any) -> None:
+            say(f"leave local-write {self._step}")
+            say(f"enter local-commit {self._step}")
+            orig(self, *a, **k)
+            point("local-committed", self._step)
+            say(f"leave local-commit {self._step}")
+
+        return wrapper
+
+    def local_abort(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, *a: Any, **k: Any) -> None:
+            orig(self, *a, **k)
+            say(f"leave local-write {self._step}")
+            say(f"leave local-commit {self._step}")
+
+        return wrapper
+
+    def local_write_file(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, path: str, *a: Any, **k: Any) -> None:
+            orig(self, path, *a, **k)
+            if os.path.basename(path) == "COMMIT":  # in the temp dir, before the rename
+                point("local-marker-written", _step_of(path))
+                nap(1.0)
+
+        return wrapper
+
+    def local_delete(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, step: int, *a: Any, **k: Any) -> None:
+            say(f"enter local-prune {step}")
+            nap(0.5)
+            orig(self, step, *a, **k)
+            say(f"leave local-prune {step}")
+
+        return wrapper
+
+    rmtree = shutil.rmtree
+
+    def rmtree_paused(path: Any, *a: Any, **k: Any) -> None:
+        name = os.path.basename(os.fspath(path))
+        if name.startswith(".tiercheck-trash-"):  # the step is hidden, its data still there
+            point("local-trashed", _step_of(name))
+            nap(1.0)
+        rmtree(path, *a, **k)
+
+    wrap(local_mod.LocalTier, "open_step", local_open_step)
+    wrap(local_mod._LocalStepWriter, "write_file", local_writer_write)
+    wrap(local_mod._LocalStepWriter, "commit", local_commit)
+    wrap(local_mod._LocalStepWriter, "abort", local_abort)
+    wrap(local_mod.LocalTier, "write_file", local_write_file)
+    wrap(local_mod.LocalTier, "delete_step", local_delete)
+    shutil.rmtree = rmtree_paused  # type: ignore[assignment]
+
+    if remote_root is None:
+        return
+
+    # -- tier 2 -------------------------------------------------------------------------
+
+    def remote_open_step(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, step: int, *a: Any, **k: Any) -> Any:
+            say(f"enter upload {step}")
+            return orig(self, step, *a, **k)
+
+        return wrapper
+
+    def put_chunks(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, path: str, chunks: Callable[[], Iterator[Any]], *a: Any, **k: Any) -> int:
+            step = _step_of(path)
+
+            def pieces() -> Iterator[Any]:
+                sent = 0
+                for chunk in chunks():
+                    view = memoryview(chunk)
+                    for pos in range(0, len(view), UPLOAD_PIECE):
+                        if sent:
+                            if sent == 2 and path.endswith(".shard"):
+                                point("remote-shard-partial", step)
+                            nap(0.125)
+                        yield view[pos : pos + UPLOAD_PIECE]
+                        sent += 1
+
+            return int(orig(self, path, pieces if widen > 0 or kill_at else chunks, *a, **k))
+
+        return wrapper
+
+    def put_bytes(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, path: str, *a: Any, **k: Any) -> int:
+            n = int(orig(self, path, *a, **k))
+            if path.endswith(".manifest.json"):
+                point("remote-manifest-written", _step_of(path))
+                nap(0.25)
+            return n
+
+        return wrapper
+
+    def remote_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, *a: Any, **k: Any) -> None:
+            say(f"leave upload {self._step}")
+            say(f"enter remote-commit {self._step}")
+            nap(0.5)
+            orig(self, *a, **k)
+            point("remote-committed", self._step)
+            nap(0.5)
+            say(f"leave remote-commit {self._step}")
+
+        return wrapper
+
+    def remote_abort(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, *a: Any, **k: Any) -> None:
+            orig(self, *a, **k)
+            say(f"leave upload {self._step}")
+            say(f"leave remote-commit {self._step}")
+
+        return wrapper
+
+    def remote_delete(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, step: int, *a: Any, **k: Any) -> None:
+            say(f"enter remote-prune {step}")
+            nap(0.5)
+            orig(self, step, *a, **k)
+            say(f"leave remote-prune {step}")
+
+        return wrapper
+
+    def rm_file(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, path: str, *a: Any, **k: Any) -> Any:
+            out = orig(self, path, *a, **k)
+            if path.endswith("/COMMIT") and remote_root in path:  # marker gone, data not yet
+                point("remote-marker-removed", _step_of(path))
+                nap(1.0)
+            return out
+
+        return wrapper
+
+    def opener_open(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any) -> None:
+            orig(self)
+            if "w" in self.mode and str(self.path).endswith("/COMMIT") and remote_root in str(self.path):
+                point("remote-marker-created", _step_of(str(self.path)))
+
+        return wrapper
+
+    wrap(remote_mod.RemoteTier, "open_step", remote_open_step)
+    wrap(remote_mod.RemoteTier, "put_chunks", put_chunks)
+    wrap(remote_mod.RemoteTier, "put_bytes", put_bytes)
+    wrap(remote_mod._RemoteStepWriter, "commit", remote_commit)
+    wrap(remote_mod._RemoteStepWriter, "abort", remote_abort)
+    wrap(remote_mod.RemoteTier, "delete_step", remote_delete)
+    wrap(fs_local.LocalFileSystem, "rm_file", rm_file)
+    wrap(fs_local.LocalFileOpener, "_open", opener_open)
+
+
+# ------------------------------------------------------------------------------ run
+
+
+def parse_run_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="crash_worker.py run")
+    p.add_argument("local")
+    p.add_argument("--remote", default=None, help="a directory, used as file://DIR (tier 2)")
+    p.add_argument("--keep-local", type=int, default=KEEP_LOCAL)
+    p.add_argument("--keep-remote", type=int, default=None)
+    p.add_argument("--widen", type=float, default=0.0)
+    p.add_argument("--kill-at", choices=KILL_POINTS, default=None)
+    p.add_argument("--kill-step", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=10**9)
+    return p.parse_args(argv)
+
+
+def run(argv: list[str]) -> int:
+    opts = parse_run_args(argv)
+    remote_root = None if opts.remote is None else os.path.abspath(opts.remote)
+    instrument(opts.widen, opts.kill_at, opts.kill_step, remote_root)
     say("ready")
-    ckpt = tiercheck.Checkpointer(local=directory, keep_local=KEEP_LOCAL)
+    try:
+        return _run(opts, remote_root)
+    except Exception:
+        say("error " + traceback.format_exc().replace("\n", " | "))
+        return 4
+
+
+def _run(opts: argparse.Namespace, remote_root: str | None) -> int:
+    say("enter startup -")
+    ckpt = tiercheck.Checkpointer(
+        local=opts.local,
+        remote=None if remote_root is None else f"file://{remote_root}",
+        keep_local=opts.keep_local,
+        keep_remote=opts.keep_remote,
+        remote_retry_budget=5.0,
+    )
+    say("leave startup -")
     template = make_state(0)
+    say("enter restore -")
     restored = ckpt.restore(template)
+    say("leave restore -")
     if restored is not None:
         why = mismatch(template, make_state(restored))
         if why is not None:
@@ -140,11 +450,29 @@ def run(directory: str, max_steps: int) -> int:
             return 3
         say(f"resumed {restored}")
     step = 0 if restored is None else restored + 1
-    while step < max_steps:
+    uploading: list[Any] = []
+
+    def report_uploads() -> None:
+        for h in list(uploading):
+            if h.done("remote"):
+                uploading.remove(h)
+                try:
+                    h.wait("remote")
+                except tiercheck.UploadSkippedError:
+                    say(f"skipped remote {h.step}")
+                else:
+                    say(f"durable remote {h.step}")
+
+    while step < opts.max_steps:
         handle = ckpt.save(step, make_state(step))
-        handle.wait()
-        say(f"committed {step}")
+        handle.wait("local")
+        say(f"durable local {step}")
+        if remote_root is not None:
+            uploading.append(handle)
+            report_uploads()
         step += 1
+    ckpt.wait()
+    report_uploads()
     ckpt.close()
     say("done")
     return 0
@@ -160,7 +488,7 @@ def zygote() -> int:
         if not words:
             continue
         if words[0] == "run":
-            directory, out_path, max_steps = words[1], words[2], int(words[3])
+            out_path, args = words[1], words[2:]
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
@@ -173,7 +501,7 @@ def zygote() -> int:
                     null = os.open(os.devnull, os.O_RDONLY)
                     os.dup2(null, 0)
                     os.close(null)
-                    status = run(directory, max_steps)
+                    status = run(args)
                 finally:
                     os._exit(status)
             children.add(pid)
@@ -194,7 +522,7 @@ def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[1] == "zygote":
         return zygote()
     if len(argv) >= 3 and argv[1] == "run":
-        return run(argv[2], int(argv[3]) if len(argv) > 3 else 10**9)
+        return run(argv[2:])
     print(__doc__, file=sys.stderr)
     return 2
 
