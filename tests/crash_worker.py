@@ -79,7 +79,7 @@ KILL_POINTS = (
     "local-trashed",  # retention renamed a step to trash, data not yet removed
     "remote-shard-partial",  # 1 MiB of the shard uploaded
     "remote-manifest-written",  # shard and manifest uploaded, no marker
-    "remote-marker-created",  # the COMMIT object exists (file://: created, still empty)
+    "remote-marker-created",  # the marker's temp file exists (file://), still empty
     "remote-committed",  # the marker upload returned
     "remote-marker-removed",  # remote retention removed the marker, not yet the data
 )
@@ -386,8 +386,11 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
     def opener_open(orig: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(self: Any) -> None:
             orig(self)
-            if "w" in self.mode and str(self.path).endswith("/COMMIT") and remote_root in str(self.path):
-                point("remote-marker-created", _step_of(str(self.path)))
+            path = str(self.path)
+            # file:// markers are written to COMMIT.tmp-<hex> and renamed into place: this is
+            # the instant the marker's file exists but its bytes are not yet written.
+            if "w" in self.mode and "/COMMIT.tmp-" in path and remote_root in path:
+                point("remote-marker-created", _step_of(path))
 
         return wrapper
 

@@ -144,13 +144,6 @@ def _crash_at(zygote: Any, tmp_path: Path, point: str, kill_step: int = 1) -> tu
     return figures, local, remote
 
 
-MARKER_CUT = pytest.mark.xfail(
-    strict=True,
-    reason="library bug: on file:// the remote COMMIT is created empty and then written (no "
-    "atomic put), so a kill in between leaves a step listed on tier 2 that cannot be read",
-)
-
-
 @pytest.mark.parametrize(
     "point",
     [
@@ -160,7 +153,7 @@ MARKER_CUT = pytest.mark.xfail(
         "local-trashed",
         "remote-shard-partial",
         "remote-manifest-written",
-        pytest.param("remote-marker-created", marks=MARKER_CUT),
+        "remote-marker-created",
         "remote-committed",
         "remote-marker-removed",
     ],
@@ -170,11 +163,6 @@ def test_sigkill_at_an_exact_instant_then_resume(zygote: Any, tmp_path: Path, po
     _crash_at(zygote, tmp_path, point)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a remote deletion killed after the marker went leaves the step's data "
-    "on tier 2 forever (remove_leftovers() does nothing there; retention only sees listed steps)",
-)
 def test_a_remote_deletion_cut_by_a_kill_is_finished_later(zygote: Any, tmp_path: Path) -> None:
     _, _, remote = _crash_at(zygote, tmp_path, "remote-marker-removed")
     listed = set(campaign.step_dirs(remote)[0])

@@ -371,12 +371,6 @@ test_two_tier_model = TwoTierMachine.TestCase
 # --------------------------------------------------------------------- known bugs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: the upload copies tier-1 files without checking them against the "
-    "manifest, so a tier-1 copy damaged after its commit becomes a listed, unreadable tier-2 "
-    "step, and tier-2 retention then deletes the last good copy there",
-)
 def test_an_upload_never_spreads_a_damaged_tier1_copy(tmp_path: Path) -> None:
     local, url = tmp_path / "local", f"file://{tmp_path / 'remote'}"
     with tiercheck.Checkpointer(local=local, remote=url, keep_local=2, keep_remote=1) as ckpt:

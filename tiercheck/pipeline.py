@@ -43,6 +43,7 @@ from .manifest import (
 )
 from .planner import ShardPlan
 from .priority import lower_current_thread
+from .restore import verify_files
 from .retention import KeepAll, RetentionPolicy, plan_deletions
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
 from .state import FlatState, JsonNode, Leaf
@@ -457,6 +458,7 @@ class Pipeline:
         ref = marker.manifests[rank]
         manifest_bytes = src.read_bytes(step, ref.file, ref.length)
         manifest = decode_manifest(manifest_bytes, src.path_of(step, ref.file))
+        verify_files(src, step, manifest)  # never spread a copy that went bad on tier 1
         writer = dst.open_step(step, rank)
         try:
             stored = [writer.write_from_path(f.name, src.path_of(step, f.name), compress=True) for f in manifest.files]
@@ -533,17 +535,22 @@ class Pipeline:
             return None  # nothing to delete: don't even list (an object store may be down)
         try:
             committed = tier.committed_steps()
-            if tier is self.local:  # steps still to be uploaded stay on tier 1
-                protected = self.in_flight()
-                with self._lock:
-                    if self._uploading is not None:
-                        protected.append(self._uploading)
-            else:
-                protected = self.in_flight(tier.name)
+            # Steps still to be uploaded stay on tier 1; steps being uploaded are off limits.
+            protected = self.in_flight() if tier is self.local else self.in_flight(tier.name)
+            with self._lock:
+                if self._uploading is not None:
+                    protected.append(self._uploading)
             doomed = plan_deletions(committed, self._keep[tier.name], in_flight=protected)
             for step in doomed:
                 tier.delete_step(step)
                 logger.debug("retention deleted step %d from tier %s", step, tier.name)
+            if committed:
+                # Data a crash left without a marker (a cut deletion or upload), older than the
+                # newest committed step and not being written now: finish deleting it.
+                for step in tier.stray_steps():
+                    if step < committed[-1] and step not in protected:
+                        tier.delete_step(step)
+                        logger.info("removed unmarked leftovers of step %d from tier %s", step, tier.name)
         except Exception as exc:
             return tier_error(exc, newest, tier, "applying retention after")
         return None

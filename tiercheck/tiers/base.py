@@ -94,6 +94,11 @@ class Tier(ABC):
     def committed_steps(self) -> list[int]:
         """Steps whose commit marker exists, ascending. O(1) listings of the root."""
 
+    def stray_steps(self) -> list[int]:
+        """Step names holding data but no commit marker: a deletion or an upload that a
+        crash cut short. Tiers that never leave them (the local tier renames) return []."""
+        return []
+
     def check_space(self, step: int, nbytes: int) -> None:
         """Raise OSError(ENOSPC) naming the shortfall if `nbytes` cannot fit; tiers that
         cannot tell (object stores) accept everything."""

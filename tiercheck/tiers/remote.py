@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -137,6 +138,14 @@ class RemoteTier(Tier):
         return f"{self.location.rstrip('/')}/{layout.step_dir_name(step)}" + ("" if name is None else f"/{name}")
 
     def committed_steps(self) -> list[int]:
+        return self._list_steps()[0]
+
+    def stray_steps(self) -> list[int]:
+        return self._list_steps()[1]
+
+    def _list_steps(self) -> tuple[list[int], list[int]]:
+        """(committed steps, step prefixes holding objects but no marker), one listing."""
+
         def listing() -> list[str]:
             self.fs.invalidate_cache(self.root)
             try:
@@ -145,8 +154,6 @@ class RemoteTier(Tier):
                 return []
             return found
 
-        steps = set()
-        prefix = self.root + "/"
         try:
             found = self._call(f"listing {self.location}", listing)
         except Exception as exc:
@@ -156,14 +163,21 @@ class RemoteTier(Tier):
                 tier=self.name,
                 path=self.location,
             ) from exc
+        committed: set[int] = set()
+        present: set[int] = set()
+        prefix = self.root.lstrip("/") + "/"
         for path in found:
-            rel = path.lstrip("/")[len(prefix.lstrip("/")) :] if path.lstrip("/").startswith(prefix.lstrip("/")) else ""
-            parts = rel.split("/")
-            if len(parts) == 2 and parts[1] == layout.COMMIT_NAME:
-                step = layout.parse_step_dir(parts[0])
-                if step is not None:
-                    steps.add(step)
-        return sorted(steps)
+            rel = path.lstrip("/")
+            if not rel.startswith(prefix):
+                continue
+            parts = rel[len(prefix) :].split("/")
+            step = layout.parse_step_dir(parts[0]) if len(parts) == 2 else None
+            if step is None:
+                continue
+            present.add(step)
+            if parts[1] == layout.COMMIT_NAME:
+                committed.add(step)
+        return sorted(committed), sorted(present - committed)
 
     def open_step(self, step: int, rank: int) -> StepWriter:
         return _RemoteStepWriter(self, step)
@@ -297,9 +311,17 @@ class _RemoteStepWriter(StepWriter):
         return self._tier.put_local_file(path, local_path, compress)
 
     def commit(self, marker: bytes) -> None:
-        path = self._tier._path(self._step, layout.COMMIT_NAME)
+        tier = self._tier
+        path = tier._path(self._step, layout.COMMIT_NAME)
         self._written.append(path)  # a marker cut midway (non-atomic stores) must go too
-        self._tier.put_bytes(path, memoryview(marker))
+        if "file" in tier.fs.protocol or "local" in tier.fs.protocol:
+            # A local filesystem creates the file before writing it: a kill in between would
+            # leave an empty, listed marker. Object-store PUTs are atomic; here, rename is.
+            tmp = f"{path}.tmp-{secrets.token_hex(8)}"
+            tier.put_bytes(tmp, memoryview(marker))
+            tier._call(f"renaming {tmp}", lambda: tier.fs.mv(tmp, path))
+            return
+        tier.put_bytes(path, memoryview(marker))
 
     def abort(self) -> None:
         tier = self._tier
