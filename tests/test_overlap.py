@@ -47,6 +47,20 @@ def assert_saved_equals(root: Path, step: int, expected: dict[str, object]) -> N
             assert torch.equal(got["opt"]["state"][idx][name], t), (idx, name)
 
 
+def hold_background_copy(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The overlapped (background) part of the copy waits until the returned event is set."""
+    release = threading.Event()
+    original = staging.stage_into
+
+    def slow_stage(buf, flat, plan, deferred=None, progress=None):  # type: ignore[no-untyped-def]
+        if deferred is True:
+            assert release.wait(10)
+        original(buf, flat, plan, deferred, progress)
+
+    monkeypatch.setattr("tiercheck.pipeline.stage_into", slow_stage)
+    return release
+
+
 def test_saved_step_is_the_state_at_save_while_training_continues(tmp_path: Path) -> None:
     model, opt, x = make_training()
     train_step(model, opt, x)
@@ -64,15 +78,7 @@ def test_saved_step_is_the_state_at_save_while_training_continues(tmp_path: Path
 def test_optimizer_step_waits_for_the_background_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt, x = make_training()
     train_step(model, opt, x)
-    release = threading.Event()
-    original = staging.stage_into
-
-    def slow_stage(buf, flat, plan, deferred=None):  # type: ignore[no-untyped-def]
-        if deferred is True:
-            assert release.wait(10)
-        original(buf, flat, plan, deferred)
-
-    monkeypatch.setattr("tiercheck.pipeline.stage_into", slow_stage)
+    release = hold_background_copy(monkeypatch)
     with tiercheck.Checkpointer(local=tmp_path, overlap=True) as ckpt:
         expected = snapshot(model, opt)
         handle = ckpt.save(1, {"model": model, "opt": opt})
@@ -98,15 +104,7 @@ def test_optimizer_step_waits_for_the_background_copy(tmp_path: Path, monkeypatc
 def test_buffers_and_plain_tensors_are_copied_before_save_returns(tmp_path: Path, monkeypatch) -> None:
     model, opt, x = make_training()
     train_step(model, opt, x)
-    release = threading.Event()
-    original = staging.stage_into
-
-    def slow_stage(buf, flat, plan, deferred=None):  # type: ignore[no-untyped-def]
-        if deferred is True:
-            assert release.wait(10)
-        original(buf, flat, plan, deferred)
-
-    monkeypatch.setattr("tiercheck.pipeline.stage_into", slow_stage)
+    release = hold_background_copy(monkeypatch)
     extra = torch.arange(10.0)
     with tiercheck.Checkpointer(local=tmp_path, overlap=True) as ckpt:
         running_mean = model[1].running_mean.clone()
