@@ -22,7 +22,7 @@ from .errors import (
     UnsupportedStateError,
 )
 from .events import logger
-from .handle import DrainReport, SaveHandle
+from .handle import DrainReport, SaveHandle, WaitTimeoutError
 from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
 from .restore import restore_from
@@ -394,8 +394,6 @@ class Checkpointer:
             TierError: a background save failed since the last sync point (raised once).
             WaitTimeoutError: `timeout` seconds passed first.
         """
-        from .handle import WaitTimeoutError
-
         if not self._pipeline.wait_idle(timeout):
             raise WaitTimeoutError(f"pending saves {self._pipeline.in_flight()} not durable after {timeout}s")
         self._raise_background_errors()

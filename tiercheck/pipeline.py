@@ -367,10 +367,6 @@ class Pipeline:
                 self._report(self._prune(tier, item.step))
             return
         assert isinstance(item, _Upload)
-        if self._backlog == "newest" and self._newer_upload_queued(item.step):
-            self._skip_upload(item)
-            self._request_local_prune()
-            return
         error = None
         with self._lock:
             self._uploading = item.step
@@ -399,8 +395,12 @@ class Pipeline:
         dropped: list[_Upload] = []
         if self._backlog == "newest":
             with self._uploader.cond:
-                keep = deque(q for q in self._uploader.queue if not (isinstance(q, _Upload) and q.step < upload.step))
-                dropped = [q for q in self._uploader.queue if isinstance(q, _Upload) and q.step < upload.step]
+                keep: deque[object] = deque()
+                for q in self._uploader.queue:
+                    if isinstance(q, _Upload) and q.step < upload.step:
+                        dropped.append(q)
+                    else:
+                        keep.append(q)
                 self._uploader.queue = keep
             if dropped:
                 with self._idle:
@@ -421,11 +421,6 @@ class Pipeline:
                 ),
             )
 
-    def _newer_upload_queued(self, step: int) -> bool:
-        assert self._uploader is not None
-        with self._uploader.cond:
-            return any(isinstance(q, _Upload) and q.step > step for q in self._uploader.queue)
-
     def _request_local_prune(self) -> None:
         if self._writer is not None:
             self._writer.put(_Prune())
@@ -445,8 +440,8 @@ class Pipeline:
         if remote_steps and remote_steps[-1] >= newest:
             return
         with self._lock:
-            if newest in self._tracks:
-                return
+            if any(s >= newest for s in self._tracks):
+                return  # this session already saves that step or a newer one
         logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", newest)
         self._uploader_put(_Upload(newest, 0, None))
 

@@ -98,11 +98,6 @@ class HostBufferPool:
             self._count -= len(self._free)
             self._free.clear()
 
-    @property
-    def resident_bytes(self) -> int:
-        with self._cond:
-            return sum(b.nbytes for b in self._free)
-
 
 class StagingAborted(Exception):
     """The copy into the host buffer failed; `save()` raises the cause to its caller."""

@@ -358,8 +358,3 @@ class _RemoteFile(ReadableFile):
 
     def close(self) -> None:
         pass
-
-
-def is_local_url(location: str | os.PathLike[str]) -> bool:
-    text = os.fspath(location)
-    return "://" not in text
