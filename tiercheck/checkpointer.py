@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -9,12 +10,13 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
 from .checksum import ALGORITHMS
+from .coordination import Group, from_process_group, join_group
 from .errors import (
     StepConflictError,
     TiercheckError,
@@ -25,7 +27,7 @@ from .events import logger
 from .handle import DrainReport, SaveHandle, WaitTimeoutError
 from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
-from .restore import restore_from
+from .restore import restore_collective, restore_from
 from .retention import RetentionPolicy, as_policy
 from .retry import RetryPolicy
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
@@ -86,7 +88,22 @@ class Checkpointer:
             forward/backward (see `save`).
         low_priority: run the writer, uploader and checksum threads at nice +10 and the
             lowest best-effort I/O priority (Linux), so they take what training leaves.
-        rank, world_size: this process's place in a multi-rank job (default 0 of 1).
+        rank, world_size: this process's place in a multi-rank job. By default taken from
+            the initialised default process group (torchrun), else 0 of 1. With more than one
+            rank, every rank must create its Checkpointers in the same order, call `save`
+            with the same steps and `restore` together (it is collective); see docs/scaling.md.
+        store: the ``torch.distributed.Store`` the ranks coordinate through (default: the
+            default process group's). Only this store is used, on a connection of its own,
+            never a collective of the training process group.
+        replicated: top-level keys of the state that hold the same value on every rank
+            (DDP: ``("model", "optimizer")``), or True for all of them. Each is written by
+            one rank only, and can be restored by a job with a different number of ranks.
+            Other keys are per rank (sharded state, data-loader position, RNG).
+        replicated_writer: which rank writes each replicated key: "balance" (default: keys
+            spread over the ranks by size, largest first) or one rank's number.
+        coordination_timeout: seconds a rank waits for the others at one point of a save or
+            a restore before it gives up (the save then fails with a TierError; nothing
+            hangs forever when a rank dies).
 
     Raises:
         ValueError: no tier given, or an invalid option.
@@ -121,17 +138,29 @@ class Checkpointer:
         remote_compression: str | None = None,
         overlap: bool = False,
         low_priority: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
+        store: Any = None,
+        replicated: bool | Iterable[str | int] = False,
+        replicated_writer: int | str = "balance",
+        coordination_timeout: float = 600.0,
     ) -> None:
         if local is None and remote is None:
             raise ValueError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
         if checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
-        if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
-        if world_size != 1:
-            raise NotImplementedError("multi-rank checkpoints are not available in this release")
+        rank, world_size, store = _job_place(rank, world_size, store)
+        if not (isinstance(coordination_timeout, (int, float)) and coordination_timeout > 0):
+            raise ValueError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
+        self._replicated = _replicated_keys(replicated)
+        if not (
+            replicated_writer == "balance" or (type(replicated_writer) is int and 0 <= replicated_writer < world_size)
+        ):
+            raise ValueError(
+                f"replicated_writer must be 'balance' or a rank below {world_size}, got {replicated_writer!r}"
+            )
+        self._replicated_writer = replicated_writer
+        self._owners: tuple[tuple[object, ...], dict[object, int]] | None = None
         keep_l = as_policy(keep_local, "keep_local")
         keep_r = as_policy(keep_remote, "keep_remote")
         self._local = (
@@ -164,8 +193,12 @@ class Checkpointer:
         if self._local is not None:
             for path in self._local.remove_leftovers():
                 logger.info("removed leftover %s from an interrupted save or deletion", path)
+        self._group: Group | None = None
+        if world_size > 1:
+            # Leftovers are removed above, before this rendezvous: no rank saves before it.
+            self._group = join_group(store, rank, world_size, coordination_timeout, self._local, self._remote)
         self._pipeline = Pipeline(
-            self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority
+            self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority, self._group
         )
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
@@ -220,6 +253,54 @@ class Checkpointer:
         buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
         self._pool.release(buf)
 
+    def _flatten(self, state: Mapping[Any, Any]) -> tuple[FlatState, tuple[tuple[str, str], ...]]:
+        """Flatten the part of `state` this rank writes: everything but the replicated keys
+        another rank writes, which become `replica` references in the tree."""
+        if not self._replicated or not isinstance(state, Mapping):
+            return flatten_state(state), ()
+        keys = list(state) if self._replicated is True else [k for k in state if k in self._replicated]
+        if self._replicated is not True:
+            missing = [k for k in self._replicated if k not in state]
+            if missing:
+                raise UnsupportedStateError(f"replicated keys {missing!r} are not in the state (keys: {list(state)!r})")
+        encoded = {k: _encode_key(k) for k in keys}
+        owners = self._owners_of(state, keys)
+        flat = flatten_state({k: v for k, v in state.items() if owners.get(k, self.rank) == self.rank})
+        mine = iter(zip(flat.tree["k"], flat.tree["v"], strict=True))
+        tree_k: list[list[str]] = []
+        tree_v: list[dict[str, Any]] = []
+        for k in state:
+            if owners.get(k, self.rank) == self.rank:
+                ek, node = next(mine)
+            else:
+                ek, node = encoded[k], {"t": "replica", "r": owners[k]}
+            tree_k.append(ek)
+            tree_v.append(node)
+        tree = {"t": "dict", "k": tree_k, "v": tree_v}
+        return dataclasses.replace(flat, tree=tree), tuple((e[0], e[1]) for e in encoded.values())
+
+    def _owners_of(self, state: Mapping[Any, Any], keys: list[Any]) -> dict[object, int]:
+        """Which rank writes each replicated key; computed once per set of keys, the same on
+        every rank (it depends only on the keys and their sizes)."""
+        if self._owners is not None and self._owners[0] == tuple(keys):
+            return self._owners[1]
+        if self.world_size == 1:
+            owners = dict.fromkeys(keys, 0)
+        elif self._replicated_writer != "balance":
+            owners = dict.fromkeys(keys, int(self._replicated_writer))
+        else:
+            sizes = {
+                k: sum(lf.nbytes for lf in flatten_state({k: state[k]}).leaves if lf.alias_of is None) for k in keys
+            }
+            load = [0] * self.world_size
+            owners = {}
+            for k in sorted(keys, key=lambda k: (-sizes[k], repr(_encode_key(k)))):
+                r = min(range(self.world_size), key=lambda r: (load[r], r))
+                owners[k] = r
+                load[r] += sizes[k]
+        self._owners = (tuple(keys), owners)
+        return owners
+
     def _plan_for(self, flat: FlatState) -> ShardPlan:
         sig = flat.signature
         plan = self._plans.get(sig)
@@ -259,7 +340,7 @@ class Checkpointer:
             if type(step) is not int or step < 0:
                 raise UnsupportedStateError(f"step must be a non-negative int, got {step!r}")
             self._raise_background_errors()
-            flat = flatten_state(state)
+            flat, replicated = self._flatten(state)
             self._claim_step(step)
             plan = self._plan_for(flat)
             handle = SaveHandle(step, [t.name for t in self._tiers], self._pipeline.error_seen)
@@ -279,6 +360,7 @@ class Checkpointer:
                 buffer=buf,
                 handle=handle,
                 progress=None if overlapped else StageProgress(),
+                replicated=replicated,
             )
             if overlapped:
                 try:
@@ -347,6 +429,8 @@ class Checkpointer:
         self._branch_point = None
         stale = [s for s in committed if s > branch_point]
         for t in self._tiers:
+            if self._group is not None and not self._group.leads(t.name):
+                continue  # one rank per directory deletes
             on_tier = set(t.committed_steps())
             for s in reversed(stale):
                 if s in on_tier:
@@ -492,13 +576,65 @@ class Checkpointer:
         with self._lock:
             self._check_open()
             self.wait()
-            found = restore_from(self._tiers, state, step, self.rank)
+            if self._group is None:
+                found = restore_from(self._tiers, state, step, self.rank)
+            else:
+                found = restore_collective(
+                    self._group.coord, self._local, self._remote, state, step, self.rank, self.world_size
+                )
             if found is None:
                 return None
             self._branch_point = found.step
             self._seen_at_restore = found.committed
             self._latest_known = None  # re-derived at the next save
             return found.step
+
+
+def _nbytes(flat: FlatState) -> int:
+    return sum(lf.nbytes for lf in flat.leaves if lf.alias_of is None)
+
+
+def _encode_key(k: object) -> list[str]:
+    if type(k) is str:
+        return ["s", k]
+    if type(k) is int:
+        return ["i", str(k)]
+    raise UnsupportedStateError(f"state[{k!r}]: dict keys must be str or int, got {type(k).__name__}")
+
+
+def _replicated_keys(replicated: bool | Iterable[str | int]) -> bool | frozenset[str | int]:
+    if replicated is True or replicated is False:
+        return replicated
+    if isinstance(replicated, (str, bytes)) or not isinstance(replicated, Iterable):
+        raise ValueError(f"replicated must be True, False or a collection of top-level keys, got {replicated!r}")
+    keys = frozenset(replicated)
+    for k in keys:
+        if type(k) not in (str, int):
+            raise ValueError(f"replicated keys must be str or int, got {k!r}")
+    return keys or False
+
+
+def _job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[int, int, Any]:
+    """(rank, world size, store): as given, else from the default process group, else 0 of 1."""
+    if rank is None or world_size is None:
+        found = from_process_group()
+        if found is not None:
+            rank = found[0] if rank is None else rank
+            world_size = found[1] if world_size is None else world_size
+            store = found[2] if store is None else store
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+    if world_size > 1 and store is None:
+        found = from_process_group()
+        if found is None:
+            raise ValueError(
+                f"world_size={world_size} needs a way to reach the other ranks: initialise the default "
+                "process group (torch.distributed.init_process_group, as torchrun jobs do) or pass store="
+            )
+        store = found[2]
+    return rank, world_size, store
 
 
 def _with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:

@@ -25,7 +25,7 @@ MAX_DEPTH = 256  # tree levels; the reader's recursion stays well inside Python'
 MAX_NDIM = 64
 _NODE_TYPES = frozenset(
     {"dict", "list", "tuple", "none", "bool", "int", "float", "str", "tensor", "ndarray",
-     "npscalar", "bytes", "stateful"}
+     "npscalar", "bytes", "stateful", "replica"}
 )  # fmt: skip
 _LEAF_NODE_TYPES = frozenset({"tensor", "ndarray", "npscalar", "bytes"})
 _MAX_INT_DIGITS = 4300  # Python's default int-from-str limit
@@ -73,6 +73,9 @@ class Manifest:
     files: tuple[ShardFile, ...]
     entries: tuple[Entry, ...]
     tree: JsonNode
+    # Encoded top-level keys ([["s", "model"], ...]) saved as the same on every rank: each is
+    # written by one rank; the others' trees hold a `replica` node pointing at that rank.
+    replicated: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,8 @@ def encode_manifest(m: Manifest) -> bytes:
         ],
         "tree": m.tree,
     }
+    if m.replicated:  # absent when empty: single-rank manifests stay byte-identical
+        doc["replicated"] = [list(k) for k in m.replicated]
     return _dump(doc)
 
 
@@ -257,7 +262,36 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     if not isinstance(tree, dict) or tree.get("t") != "dict":
         raise _fail(where, "the tree's root must be a dict node")
     _check_tree(tree, entries, where, 0)
-    return Manifest(step, rank, world, algo, tuple(shard_files), entries, tree)
+    replicated = _replicated_keys(doc, tree, rank, world, where)
+    return Manifest(step, rank, world, algo, tuple(shard_files), entries, tree, replicated)
+
+
+def _replicated_keys(
+    doc: dict[str, Any], tree: JsonNode, rank: int, world: int, where: str
+) -> tuple[tuple[str, str], ...]:
+    """Validate the optional `replicated` list and the `replica` nodes: replica nodes sit only
+    directly under the root, at replicated keys, and point at another rank of this world."""
+    raw = doc.get("replicated", [])
+    if type(raw) is not list:
+        raise _fail(where, "field 'replicated' must be a list of keys")
+    keys: list[tuple[str, str]] = []
+    for k in raw:
+        if not _is_key(k):
+            raise _fail(where, f"bad replicated key {str(k)[:40]!r}")
+        keys.append((k[0], k[1]))
+    if len(set(keys)) != len(keys):
+        raise _fail(where, "repeated key in 'replicated'")
+    root_keys = {(k[0], k[1]) for k in tree["k"]}
+    for k in keys:
+        if k not in root_keys:
+            raise _fail(where, f"replicated key {list(k)!r} is not a top-level key of the tree")
+    for k, v in zip(tree["k"], tree["v"], strict=True):
+        if v["t"] != "replica":
+            continue
+        r = v.get("r")
+        if (k[0], k[1]) not in keys or type(r) is not int or not 0 <= r < world or r == rank or len(v) != 2:
+            raise _fail(where, f"bad replica node at key {k!r}")
+    return tuple(keys)
 
 
 def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:
@@ -319,6 +353,8 @@ def _check_tree(node: object, entries: tuple[Entry, ...], where: str, depth: int
     if not isinstance(node, dict) or type(node.get("t")) is not str or node["t"] not in _NODE_TYPES:
         raise _fail(where, f"malformed tree node {str(node)[:80]!r}")
     t = node["t"]
+    if t == "replica" and depth != 1:  # only a top-level value may live in another rank's part
+        raise _fail(where, "a replica node below the top level")
     if t in _LEAF_NODE_TYPES:
         e = node.get("e")
         if type(e) is not int or not 0 <= e < len(entries) or entries[e].kind != t:
@@ -350,13 +386,7 @@ def _check_tree(node: object, entries: tuple[Entry, ...], where: str, depth: int
         if type(keys) is not list or type(values) is not list or len(keys) != len(values):
             raise _fail(where, "dict node with mismatched keys and values")
         for k in keys:
-            if (
-                type(k) is not list
-                or len(k) != 2
-                or k[0] not in ("s", "i")
-                or type(k[1]) is not str
-                or (k[0] == "i" and not _is_int_text(k[1]))
-            ):
+            if not _is_key(k):
                 raise _fail(where, f"bad dict key {str(k)[:40]!r}")
         for v in values:
             _check_tree(v, entries, where, depth + 1)
@@ -365,6 +395,16 @@ def _check_tree(node: object, entries: tuple[Entry, ...], where: str, depth: int
         if not isinstance(inner, dict) or inner.get("t") != "dict":
             raise _fail(where, "stateful node without a dict")
         _check_tree(inner, entries, where, depth + 1)
+
+
+def _is_key(k: object) -> bool:
+    return (
+        type(k) is list
+        and len(k) == 2
+        and k[0] in ("s", "i")
+        and type(k[1]) is str
+        and (k[0] != "i" or _is_int_text(k[1]))
+    )
 
 
 def _is_int_text(v: str) -> bool:
@@ -379,3 +419,14 @@ def _is_int_text(v: str) -> bool:
 
 def decode_key(k: list[str]) -> str | int:
     return int(k[1]) if k[0] == "i" else k[1]
+
+
+def replica_owners(m: Manifest) -> list[tuple[tuple[str, str], int]]:
+    """Each replicated top-level key and the rank whose files hold it."""
+    nodes = {(k[0], k[1]): v for k, v in zip(m.tree["k"], m.tree["v"], strict=True)}
+    return [(k, nodes[k]["r"] if nodes[k]["t"] == "replica" else m.rank) for k in m.replicated]
+
+
+def assignment_digest(m: Manifest) -> str:
+    """Equal on every rank of a step exactly when they agree on who writes which replicated key."""
+    return json.dumps(replica_owners(m), separators=(",", ":"))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from . import layout
 from .checksum import checksum_function
+from .coordination import CoordinationError, Group, PartReport
 from .errors import TiercheckError, TierError, UploadSkippedError
 from .events import emit, logger
 from .handle import SaveHandle
@@ -35,6 +36,7 @@ from .manifest import (
     ManifestRef,
     Marker,
     ShardFile,
+    assignment_digest,
     build_entries,
     decode_manifest,
     decode_marker,
@@ -47,7 +49,7 @@ from .restore import verify_files
 from .retention import KeepAll, RetentionPolicy, plan_deletions
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
 from .state import FlatState, JsonNode, Leaf
-from .tiers.base import Tier
+from .tiers.base import StepWriter, Tier
 
 MAX_META_BYTES = 1 << 30
 BACKLOG_POLICIES = ("newest", "all")
@@ -66,6 +68,7 @@ class StagedSave:
     buffer: HostBuffer
     handle: SaveHandle
     progress: StageProgress | None = None  # set when the writer may start before the copy ends
+    replicated: tuple[tuple[str, str], ...] = ()  # top-level keys the same on every rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +151,7 @@ class _Worker:
 class _Track:
     handle: SaveHandle
     remaining: set[str] = field(default_factory=set)
+    reported: set[str] = field(default_factory=set)  # tiers whose outcome the other ranks know
 
 
 class Pipeline:
@@ -163,6 +167,7 @@ class Pipeline:
         checksum: str,
         upload_backlog: str = "newest",
         low_priority: bool = True,
+        group: Group | None = None,
     ) -> None:
         if upload_backlog not in BACKLOG_POLICIES:
             raise ValueError(f"upload_backlog must be one of {BACKLOG_POLICIES}, got {upload_backlog!r}")
@@ -171,6 +176,7 @@ class Pipeline:
         self._pool = pool
         self._keep = {"local": keep_local, "remote": keep_remote}
         self._backlog = upload_backlog
+        self._group = group
         self._checksum_name = checksum
         self._checksum = checksum_function(checksum)
         self._lock = threading.Lock()
@@ -186,7 +192,8 @@ class Pipeline:
         self._stager = _Worker("tiercheck-stager", self._run_stage, self._idle)
         self._writer = _Worker("tiercheck-writer", self._run_local, self._idle, low_priority) if local else None
         self._uploader = _Worker("tiercheck-uploader", self._run_remote, self._idle, low_priority) if remote else None
-        if local is not None and remote is not None:
+        if local is not None and remote is not None and group is None:
+            # (multi-rank: ranks would have to agree on it; restore reads tier 1 anyway)
             self._uploader_put(_CatchUp())
 
     # -- caller side -------------------------------------------------------------
@@ -275,6 +282,11 @@ class Pipeline:
     # -- bookkeeping -----------------------------------------------------------------
 
     def _finish(self, step: int, tier: str, error: TiercheckError | None = None) -> None:
+        if error is not None and self._group is not None and self._first_report(step, tier):
+            try:  # tell the other ranks now, so they do not wait for us until the timeout
+                self._group.coord.abandon(step, tier, str(error))
+            except Exception as exc:
+                logger.warning("tiercheck: could not tell the other ranks that step %d failed: %r", step, exc)
         with self._lock:
             track = self._tracks.get(step)
             if isinstance(error, TierError):
@@ -290,6 +302,57 @@ class Pipeline:
             self._idle.notify_all()
         if isinstance(error, TierError):
             logger.error("%s", error)
+
+    def _first_report(self, step: int, tier: str) -> bool:
+        """True the first time this rank reports its outcome for `step` on `tier`."""
+        with self._lock:
+            track = self._tracks.get(step)
+            if track is None or tier in track.reported:
+                return False
+            track.reported.add(tier)
+            return True
+
+    def _commit(
+        self, tier: Tier, writer: StepWriter, step: int, ref: ManifestRef, marker: Marker, assignment: str
+    ) -> None:
+        """Make the step visible: alone, write the marker; in a job, publish this rank's part
+        and wait until rank 0 has heard from every rank and the marker is written."""
+        group = self._group
+        if group is None:
+            writer.commit(encode_marker(dataclasses.replace(marker, manifests=(ref,))))
+            return
+        coord = group.coord
+        writer.publish_part()
+        self._first_report(step, tier.name)
+        coord.report(
+            step,
+            tier.name,
+            PartReport(
+                coord.rank, {"name": ref.file, "length": ref.length, "checksum": ref.checksum}, None, assignment
+            ),
+        )
+        decided = False
+        try:
+            if coord.rank == 0:
+                body = coord.decide(step, tier.name, lambda refs: _job_marker(marker, refs))
+            else:
+                body = coord.verdict(step, tier.name)
+            decided = True
+            if group.leads(tier.name):
+                try:
+                    tier.write_marker(step, body)
+                except Exception as exc:
+                    coord.marked(step, tier.name, f"{type(exc).__name__}: {exc}")
+                    raise
+                coord.marked(step, tier.name)
+            else:
+                coord.wait_marked(step, tier.name, group.leader[tier.name])
+        except CoordinationError:
+            if not decided:  # the step will never commit: take our part back
+                writer.abort()
+            raise
+        finally:
+            coord.acknowledge(step, tier.name, group.leaders[tier.name])
 
     def _uploader_put(self, item: object) -> None:
         assert self._uploader is not None
@@ -454,7 +517,7 @@ class Pipeline:
         manifest_bytes = src.read_bytes(step, ref.file, ref.length)
         manifest = decode_manifest(manifest_bytes, src.path_of(step, ref.file))
         verify_files(src, step, manifest)  # never spread a copy that went bad on tier 1
-        writer = dst.open_step(step, rank)
+        writer = dst.open_step(step, rank, shared=self._group is not None)
         try:
             stored = [writer.write_from_path(f.name, src.path_of(step, f.name), compress=True) for f in manifest.files]
             if dst.codec != "raw":  # the tier-2 copy records how its shards are stored
@@ -465,9 +528,8 @@ class Pipeline:
                 ref = ManifestRef(
                     ref.file, len(manifest_bytes), checksum_function(marker.checksum_algorithm)(manifest_bytes)
                 )
-                marker_bytes = encode_marker(dataclasses.replace(marker, manifests=(ref,)))
             writer.write_file(ref.file, memoryview(manifest_bytes))
-            writer.commit(marker_bytes)
+            self._commit(dst, writer, step, ref, marker, assignment_digest(manifest))
         except BaseException:
             writer.abort()
             raise
@@ -484,7 +546,7 @@ class Pipeline:
             else:
                 futures.append(self._hasher.submit(self._staged_checksum, job, off, leaf.nbytes))
         ready = job.progress.wait if job.progress is not None else None
-        writer = tier.open_step(job.step, job.rank)
+        writer = tier.open_step(job.step, job.rank, shared=self._group is not None)
         try:
             view = job.buffer.view(job.plan.total_bytes)
             stored = writer.write_file(shard, view, job.buffer.aligned, compress=True, ready=ready)
@@ -493,26 +555,22 @@ class Pipeline:
             for i, leaf in enumerate(job.leaves):
                 if leaf.alias_of is not None:
                     sums[i] = sums[leaf.alias_of]
-            manifest = encode_manifest(
-                Manifest(
-                    step=job.step,
-                    rank=job.rank,
-                    world_size=job.world_size,
-                    checksum_algorithm=self._checksum_name,
-                    files=(ShardFile(shard, job.plan.total_bytes, tier.codec, stored if compressed else None),),
-                    entries=build_entries(job.leaves, job.plan.offsets, sums, shard),
-                    tree=job.tree,
-                )
-            )
-            mname = layout.manifest_name(job.rank, job.world_size)
-            writer.write_file(mname, memoryview(manifest))
-            marker = Marker(
+            doc = Manifest(
                 step=job.step,
+                rank=job.rank,
                 world_size=job.world_size,
                 checksum_algorithm=self._checksum_name,
-                manifests=(ManifestRef(mname, len(manifest), self._checksum(manifest)),),
+                files=(ShardFile(shard, job.plan.total_bytes, tier.codec, stored if compressed else None),),
+                entries=build_entries(job.leaves, job.plan.offsets, sums, shard),
+                tree=job.tree,
+                replicated=job.replicated,
             )
-            writer.commit(encode_marker(marker))
+            manifest = encode_manifest(doc)
+            mname = layout.manifest_name(job.rank, job.world_size)
+            writer.write_file(mname, memoryview(manifest))
+            ref = ManifestRef(mname, len(manifest), self._checksum(manifest))
+            marker = Marker(job.step, job.world_size, self._checksum_name, ())
+            self._commit(tier, writer, job.step, ref, marker, assignment_digest(doc))
         except BaseException:
             for f in futures:
                 if not isinstance(f, str):
@@ -528,6 +586,8 @@ class Pipeline:
     def _prune(self, tier: Tier, newest: int | None) -> TierError | None:
         if isinstance(self._keep[tier.name], KeepAll):
             return None  # nothing to delete: don't even list (an object store may be down)
+        if self._group is not None and not self._group.leads(tier.name):
+            return None  # one rank per directory prunes it
         try:
             committed = tier.committed_steps()
             # Steps still to be uploaded stay on tier 1; steps being uploaded are off limits.
@@ -549,6 +609,21 @@ class Pipeline:
         except Exception as exc:
             return tier_error(exc, newest, tier, "applying retention after")
         return None
+
+
+def _job_marker(marker: Marker, refs: list[dict[str, object]]) -> bytes:
+    """The commit marker of a multi-rank step, from every rank's manifest reference."""
+    manifests = []
+    for rank, ref in enumerate(refs):
+        name, length, checksum = ref["name"], ref["length"], ref["checksum"]
+        if (
+            name != layout.manifest_name(rank, marker.world_size)
+            or type(length) is not int
+            or type(checksum) is not str
+        ):
+            raise ValueError(f"rank {rank} reported a malformed manifest reference {ref!r}")
+        manifests.append(ManifestRef(name, length, checksum))
+    return encode_marker(dataclasses.replace(marker, manifests=tuple(manifests)))
 
 
 def tier_error(exc: BaseException, step: int | None, tier: Tier, doing: str) -> TierError:

@@ -18,9 +18,10 @@ import torch
 
 from . import layout
 from .checksum import ALGORITHMS, checksum_function, checksum_stream
+from .coordination import Coordinator
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
-from .manifest import Entry, Manifest, decode_key, decode_manifest, decode_marker
+from .manifest import Entry, Manifest, Marker, decode_key, decode_manifest, decode_marker
 from .state import ROOT, JsonNode, decode_float, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
 
@@ -40,14 +41,19 @@ class _Read:
 class _Binder:
     """Matches a manifest tree against a template and plans the reads."""
 
-    def __init__(self, manifest: Manifest, step: int) -> None:
+    def __init__(self, manifest: Manifest, step: int, parent: _Binder | None = None) -> None:
         self.entries = manifest.entries
         self.step = step
-        self.reads: list[_Read] = []
-        self.fresh: dict[tuple[object, ...], torch.Tensor] = {}
+        self.reads: list[_Read] = parent.reads if parent else []
+        self.fresh: dict[tuple[object, ...], torch.Tensor] = parent.fresh if parent else {}
+        # replica node id -> (the binder of the rank holding the value, the value's node)
+        self.replicas: dict[int, tuple[_Binder, JsonNode]] = parent.replicas if parent else {}
 
     def bind(self, tmpl: object, node: JsonNode, path: str, strict: bool) -> Producer:
         t = node["t"]
+        if t == "replica":  # the value lives in another rank's part of this step
+            owner, target = self.replicas[id(node)]
+            return owner.bind(tmpl, target, path, strict)
         if t in ("tensor", "ndarray", "npscalar", "bytes"):
             return self._leaf(tmpl, self.entries[node["e"]], path, strict)
         if t == "dict":
@@ -299,8 +305,8 @@ class ZstdFile(ReadableFile):
         self._raw.close()
 
 
-def read_manifest(tier: Tier, step: int, rank: int) -> Manifest:
-    """Read and verify the commit marker and one rank's manifest of `step`."""
+def read_marker(tier: Tier, step: int) -> Marker:
+    """Read and check the commit marker of `step`."""
     where = tier.path_of(step, layout.COMMIT_NAME)
     try:
         marker = decode_marker(tier.read_bytes(step, layout.COMMIT_NAME, MAX_MARKER_BYTES), where)
@@ -310,6 +316,13 @@ def read_manifest(tier: Tier, step: int, rank: int) -> Manifest:
         raise CheckpointCorruptedError(f"{where}: marker is for step {marker.step}, directory for step {step}")
     if marker.checksum_algorithm not in ALGORITHMS:
         raise CheckpointCorruptedError(f"{where}: unknown checksum algorithm {marker.checksum_algorithm!r}")
+    return marker
+
+
+def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> Manifest:
+    """Read and verify one rank's manifest of `step` against the commit marker."""
+    if marker is None:
+        marker = read_marker(tier, step)
     if not 0 <= rank < marker.world_size:
         raise NoCheckpointError(f"step {step} on tier {tier.name!r} has {marker.world_size} ranks, no rank {rank}")
     ref = marker.manifests[rank]
@@ -328,12 +341,16 @@ def read_manifest(tier: Tier, step: int, rank: int) -> Manifest:
         raise CheckpointCorruptedError(
             f"{mwhere}: manifest names step/rank/world {manifest.step}/{manifest.rank}/{manifest.world_size}"
         )
-    if manifest.checksum_algorithm not in ALGORITHMS:
-        raise CheckpointCorruptedError(f"{mwhere}: unknown checksum algorithm {manifest.checksum_algorithm!r}")
+    if manifest.checksum_algorithm != marker.checksum_algorithm:
+        raise CheckpointCorruptedError(
+            f"{mwhere}: checksum algorithm {manifest.checksum_algorithm!r}, marker says {marker.checksum_algorithm!r}"
+        )
     return manifest
 
 
-def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) -> object:
+def read_step(
+    tier: Tier, step: int, rank: int, template: object, strict: bool, world_size: int | None = None
+) -> object:
     """Read `step` from `tier` into `template` (or fresh values if None); verify every byte.
 
     Raises:
@@ -343,12 +360,43 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
             is read, except when a stateful object's `load_state_dict` itself rejects the
             checkpoint after its tensors were filled.
     """
-    manifest = read_manifest(tier, step, rank)
+    return prepare_step(tier, step, rank, template, strict, world_size)()
+
+
+def prepare_step(
+    tier: Tier, step: int, rank: int, template: object, strict: bool, world_size: int | None = None
+) -> Producer:
+    """Read and verify `step` (tensors land in the template's tensors); return the function
+    that then writes plain values and calls `load_state_dict` (see `read_step`).
+
+    `world_size` is the restoring job's: when it differs from the checkpoint's, only the
+    replicated top-level keys can be restored, read through rank 0's manifest."""
+    marker = read_marker(tier, step)
+    resized = world_size is not None and world_size != marker.world_size
+    manifest = read_manifest(tier, step, 0 if resized else rank, marker)
+    tree = manifest.tree
+    if world_size is not None and resized:
+        tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)
+    binder = _Binder(manifest, step)
+    manifests = {manifest.rank: manifest}
+    for k, node in zip(tree["k"], tree["v"], strict=True):
+        if node["t"] != "replica" or (isinstance(template, Mapping) and decode_key(k) not in template and strict):
+            continue
+        owner = manifests.get(node["r"])
+        if owner is None:
+            owner = manifests[node["r"]] = read_manifest(tier, step, node["r"], marker)
+        target = dict(zip(map(tuple, owner.tree["k"]), owner.tree["v"], strict=True)).get(tuple(k))
+        if target is None or target["t"] == "replica" or tuple(k) not in owner.replicated:
+            raise CheckpointCorruptedError(
+                f"{tier.path_of(step, layout.manifest_name(owner.rank, owner.world_size))}: "
+                f"does not hold the replicated key {decode_key(k)!r} that rank {manifest.rank} refers to"
+            )
+        binder.replicas[id(node)] = (_Binder(owner, step, binder), target)
     files: dict[str, ReadableFile] = {}
     try:
         # Sizes first: the manifest's regions are validated against the sizes it declares,
         # so once those match the real files, nothing below allocates more than they hold.
-        for sf in manifest.files:
+        for sf in (sf for m in manifests.values() for sf in m.files):
             path = tier.path_of(step, sf.name)
             try:
                 f = tier.open_file(step, sf.name)
@@ -359,9 +407,8 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
                 raise CheckpointCorruptedError(f"{path}: shard file is {f.size} bytes, manifest says {sf.size_on_tier}")
             if sf.codec == "zstd":
                 files[sf.name] = ZstdFile(f, sf.length, path)
-        binder = _Binder(manifest, step)
         try:
-            produce = binder.bind(template, manifest.tree, ROOT, strict)
+            produce = binder.bind(template, tree, ROOT, strict)
         except RecursionError:
             raise CheckpointCorruptedError(f"{tier.path_of(step)}: the state tree is nested too deep") from None
         except (MemoryError, RuntimeError) as exc:  # sizes a compressed shard cannot bound
@@ -372,7 +419,29 @@ def read_step(tier: Tier, step: int, rank: int, template: object, strict: bool) 
     finally:
         for f in files.values():
             f.close()
-    return produce()
+    return produce
+
+
+def _replicated_view(
+    tier: Tier, step: int, manifest: Manifest, saved_world: int, world_size: int, template: object
+) -> JsonNode:
+    """The part of rank 0's tree that any rank of a job of another size may restore: the
+    replicated keys. A template key saved per rank is an error naming it."""
+    tree = manifest.tree
+    replicated = set(manifest.replicated)
+    if isinstance(template, Mapping) and not is_stateful(template):
+        wanted = set(template)
+        per_rank = [decode_key(k) for k in tree["k"] if tuple(k) not in replicated and decode_key(k) in wanted]
+        if per_rank:
+            raise StateMismatchError(
+                f"step {step} ({tier.path_of(step)}) was saved by {saved_world} ranks; this job has "
+                f"{world_size}. Only keys saved as replicated (Checkpointer(replicated=...)) can be restored "
+                f"with another number of ranks: {sorted(map(str, (decode_key(list(k)) for k in replicated)))}. "
+                f"Per-rank keys in the template: {per_rank}; drop them from the template, or restore with "
+                f"{saved_world} ranks (resharding per-rank state is not supported)"
+            )
+    pairs = [(k, v) for k, v in zip(tree["k"], tree["v"], strict=True) if tuple(k) in replicated]
+    return {"t": "dict", "k": [k for k, _ in pairs], "v": [v for _, v in pairs]}
 
 
 READ_CHUNK = 32 << 20
@@ -533,3 +602,70 @@ def restore_from(
     raise CheckpointCorruptedError(
         f"no committed step could be restored ({len(candidates)} tried, newest first): {detail}"
     )
+
+
+def restore_collective(
+    coord: Coordinator,
+    local: Tier | None,
+    remote: Tier | None,
+    template: object,
+    step: int | None,
+    rank: int,
+    world_size: int,
+) -> Restored | None:
+    """`restore_from` for one rank of a job: every rank calls it, and all restore the same
+    step, the newest that every rank can read (or exactly `step`).
+
+    Each rank reads its part from its tier 1 when its node has the step there, else from
+    tier 2; a rank whose copy fails verification tries the other tier, and if some rank
+    cannot read a step at all, every rank moves on to the next older candidate.
+    """
+    mine: list[int] = []
+    if local is not None:
+        try:
+            mine = local.committed_steps()
+        except OSError as exc:
+            warnings.warn(f"tiercheck: cannot list tier {local.name!r}: {exc!r}", RuntimeWarning, stacklevel=3)
+    shared = remote.committed_steps if remote is not None else list
+    candidates = coord.agree_candidates(mine, shared, step)
+    if not candidates:
+        if step is not None:
+            raise NoCheckpointError(f"step {step} is not committed on every rank's tiers (rank {rank}: {mine})")
+        return None
+    failures: list[str] = []
+    for i, s in enumerate(candidates):
+        tiers = [t for t in (local, remote) if t is not None and (t is not local or s in mine)]
+        produce: Producer | None = None
+        why = ""
+        for tier in tiers:
+            try:
+                produce = prepare_step(tier, s, rank, template, True, world_size)
+                break
+            except StateMismatchError as exc:  # the template is wrong: no older step helps
+                coord.agree_outcome(i, False, str(exc), fatal=True)
+                raise
+            except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
+                why = f"step {s} on tier {tier.name!r}: {exc}"
+                if tier is not tiers[-1]:
+                    warnings.warn(
+                        f"tiercheck: cannot restore {why}; trying the next tier", RuntimeWarning, stacklevel=3
+                    )
+        if not tiers:
+            why = f"step {s} is on no tier of rank {rank}"
+        everyone, first, stop = coord.agree_outcome(i, produce is not None, why)
+        if everyone:
+            assert produce is not None
+            return Restored(s, produce(), tuple(sorted(set(mine) | set(candidates))))
+        if stop:
+            raise StateMismatchError(f"restore of step {s} stopped: {first}")
+        failures.append(first)
+        if step is None:
+            warnings.warn(
+                f"tiercheck: cannot restore step {s} on every rank ({first}); trying an older step",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    detail = "; ".join(failures)
+    if step is not None:
+        raise CheckpointCorruptedError(f"step {step} cannot be restored on every rank: {detail}")
+    raise CheckpointCorruptedError(f"no step could be restored on every rank ({len(candidates)} tried): {detail}")

@@ -16,6 +16,11 @@ Writing one step, a worker calls, in this order::
 
 After `commit` returns, the step is durable: a crash at any later instant leaves it
 listed and readable. Before `commit` returns, `committed_steps()` never lists it.
+
+In a multi-rank job, every rank writes its own files and calls ``w.publish_part()``
+instead of `commit`: the part is then durable under the step's name, still without a
+marker. Once every rank's part is there, one rank per directory calls
+``tier.write_marker(step, marker_bytes)``.
 """
 
 from __future__ import annotations
@@ -65,6 +70,11 @@ class StepWriter(ABC):
     def commit(self, marker: bytes) -> None:
         """Write the commit marker last and make the step visible; durable on return."""
 
+    def publish_part(self) -> None:
+        """Multi-rank: make this rank's files durable under the step's final name, without
+        a marker (object stores: they are already there)."""
+        return None
+
     @abstractmethod
     def abort(self) -> None:
         """Remove whatever this writer created; never raises."""
@@ -105,7 +115,14 @@ class Tier(ABC):
         return None
 
     @abstractmethod
-    def open_step(self, step: int, rank: int) -> StepWriter: ...
+    def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
+        """A writer for this rank's files of `step`; `shared` when other ranks write parts of
+        the same step (then `publish_part` + `write_marker` replace `commit`)."""
+
+    @abstractmethod
+    def write_marker(self, step: int, marker: bytes) -> None:
+        """Multi-rank: write the commit marker of `step`, whose parts are all durable; the step
+        is visible and durable on return. Writing the same bytes twice is harmless."""
 
     @abstractmethod
     def read_bytes(self, step: int, name: str, limit: int) -> bytes:

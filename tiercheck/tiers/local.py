@@ -8,8 +8,10 @@ step, marker included, disappears atomically), fsyncs the parent, then removes i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
 import shutil
 import stat
 from collections.abc import Callable
@@ -96,11 +98,40 @@ class LocalTier(Tier):
                 self.root,
             )
 
-    def open_step(self, step: int, rank: int) -> StepWriter:
+    def stray_steps(self) -> list[int]:
+        """Step directories without a marker: parts of a multi-rank step that never committed."""
+        try:
+            it = os.scandir(self.root)
+        except FileNotFoundError:
+            return []
+        with it:
+            return sorted(
+                step
+                for entry in it
+                if (step := layout.parse_step_dir(entry.name)) is not None
+                and entry.is_dir(follow_symlinks=False)
+                and not os.path.lexists(os.path.join(entry.path, layout.COMMIT_NAME))
+            )
+
+    def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
         os.makedirs(self.root, exist_ok=True)
         tmp = os.path.join(self.root, layout.tmp_dir_name(step, rank))
         os.mkdir(tmp)
-        return _LocalStepWriter(self, step, tmp)
+        return _LocalStepWriter(self, step, tmp, shared)
+
+    def write_marker(self, step: int, marker: bytes) -> None:
+        # Written under a temporary name and renamed: the marker appears whole or not at all.
+        final = self.path_of(step)
+        tmp = os.path.join(final, f".{layout.COMMIT_NAME}.tmp-{secrets.token_hex(8)}")
+        try:
+            self.write_file(tmp, memoryview(marker), False)
+            os.rename(tmp, os.path.join(final, layout.COMMIT_NAME))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.fsync:
+            fsync_dir(final)
 
     def read_bytes(self, step: int, name: str, limit: int) -> bytes:
         f = _LocalFile(self.path_of(step, name))
@@ -193,10 +224,12 @@ class LocalTier(Tier):
 
 
 class _LocalStepWriter(StepWriter):
-    def __init__(self, tier: LocalTier, step: int, tmp: str) -> None:
+    def __init__(self, tier: LocalTier, step: int, tmp: str, shared: bool = False) -> None:
         self._tier = tier
         self._step = step
         self._tmp = tmp
+        self._shared = shared
+        self._published: list[str] = []
 
     def write_file(
         self,
@@ -231,8 +264,29 @@ class _LocalStepWriter(StepWriter):
         if tier.fsync:
             fsync_dir(tier.root)
 
+    def publish_part(self) -> None:
+        """Move this rank's files (each already fsynced) into the step directory, which other
+        ranks share; one rename per file, so each appears whole. No marker yet."""
+        assert self._shared, "publish_part() is for steps written by several ranks"
+        tier = self._tier
+        final = tier.path_of(self._step)
+        os.makedirs(final, exist_ok=True)
+        if os.path.lexists(os.path.join(final, layout.COMMIT_NAME)):
+            raise FileExistsError(errno.EEXIST, "step is already committed", final)
+        for name in sorted(os.listdir(self._tmp)):
+            dest = os.path.join(final, name)
+            os.rename(os.path.join(self._tmp, name), dest)
+            self._published.append(dest)
+        if tier.fsync:
+            fsync_dir(final)
+            fsync_dir(tier.root)
+        os.rmdir(self._tmp)
+
     def abort(self) -> None:
         shutil.rmtree(self._tmp, ignore_errors=True)
+        for path in self._published:  # the step never committed: take back our part
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 class _LocalFile(ReadableFile):

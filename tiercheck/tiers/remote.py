@@ -179,8 +179,19 @@ class RemoteTier(Tier):
                 committed.add(step)
         return sorted(committed), sorted(present - committed)
 
-    def open_step(self, step: int, rank: int) -> StepWriter:
+    def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
         return _RemoteStepWriter(self, step)
+
+    def write_marker(self, step: int, marker: bytes) -> None:
+        path = self._path(step, layout.COMMIT_NAME)
+        if "file" in self.fs.protocol or "local" in self.fs.protocol:
+            # A local filesystem creates the file before writing it: a kill in between would
+            # leave an empty, listed marker. Object-store PUTs are atomic; here, rename is.
+            tmp = f"{path}.tmp-{secrets.token_hex(8)}"
+            self.put_bytes(tmp, memoryview(marker))
+            self._call(f"renaming {tmp}", lambda: self.fs.mv(tmp, path))
+            return
+        self.put_bytes(path, memoryview(marker))
 
     def read_bytes(self, step: int, name: str, limit: int) -> bytes:
         path = self._path(step, name)
@@ -311,17 +322,8 @@ class _RemoteStepWriter(StepWriter):
         return self._tier.put_local_file(path, local_path, compress)
 
     def commit(self, marker: bytes) -> None:
-        tier = self._tier
-        path = tier._path(self._step, layout.COMMIT_NAME)
-        self._written.append(path)  # a marker cut midway (non-atomic stores) must go too
-        if "file" in tier.fs.protocol or "local" in tier.fs.protocol:
-            # A local filesystem creates the file before writing it: a kill in between would
-            # leave an empty, listed marker. Object-store PUTs are atomic; here, rename is.
-            tmp = f"{path}.tmp-{secrets.token_hex(8)}"
-            tier.put_bytes(tmp, memoryview(marker))
-            tier._call(f"renaming {tmp}", lambda: tier.fs.mv(tmp, path))
-            return
-        tier.put_bytes(path, memoryview(marker))
+        self._written.append(self._tier._path(self._step, layout.COMMIT_NAME))  # a cut marker must go too
+        self._tier.write_marker(self._step, marker)
 
     def abort(self) -> None:
         tier = self._tier

@@ -1,0 +1,371 @@
+"""Agreement between the ranks of a torch.distributed job, through its key-value store.
+
+Nothing here runs a collective on the training process group: every exchange is a few
+small operations on a *clone* of the job's store (its own connection), polled with
+bounded deadlines, so a slow or dead rank makes the others fail after the timeout
+instead of hanging them. The protocol, per step and tier (keys under
+``tiercheck/<instance>/g<generation>/s<step>/<tier>/``):
+
+1. every rank makes its part durable (shard files and manifest, no marker), then
+   ``set part/<rank>`` (its manifest's name, length and checksum, or the error that
+   stopped it) and ``add n 1``;
+2. rank 0 polls ``n`` until every rank reported (or the deadline), then ``set verdict``:
+   the commit marker listing every rank's manifest, or the reason the step fails;
+3. one *leader* per distinct directory writes that marker (rank 0 on a shared tier; on
+   a node-local tier, one rank per node) and ``set marked/<leader>``; the other ranks
+   wait for their leader's key, so every handle reports the step durable only once the
+   marker covering its part exists;
+4. each rank ``add ack 1``; the rank that completes the count deletes the step's keys,
+   so the store does not grow from step to step.
+
+Restore agreement (keys under ``g<generation>/restore/``): each rank publishes the steps
+its own tier 1 holds; rank 0 adds what the shared tier 2 holds and publishes the
+candidates, newest first, that every rank can read (tier 2, or tier 1 on every rank's
+node); then all ranks try candidates in order, each counting its outcome in ``r<i>/n``
+and, on failure, ``r<i>/bad``, until one verifies on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from .errors import TiercheckError
+
+__all__ = ["CoordinationError", "Coordinator", "from_process_group", "instance_prefix"]
+
+
+class CoordinationError(TiercheckError, TimeoutError):
+    """Ranks of a job could not agree: another rank did not answer in time, or failed."""
+
+
+_instances = 0
+_instances_lock = threading.Lock()
+
+
+def instance_prefix() -> str:
+    """A store prefix for the next multi-rank Checkpointer of this process. Every rank
+    creates its Checkpointers in the same order, so the n-th one has the same prefix on
+    every rank."""
+    global _instances
+    with _instances_lock:
+        n = _instances
+        _instances += 1
+    return f"tiercheck/{n}/"
+
+
+def from_process_group() -> tuple[int, int, Any] | None:
+    """(rank, world size, store) of the initialised default process group, or None."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    return dist.get_rank(), dist.get_world_size(), store
+
+
+@dataclass(frozen=True, slots=True)
+class PartReport:
+    """What one rank reports about its part of a step on one tier."""
+
+    rank: int
+    manifest: dict[str, Any] | None  # {"name", "length", "checksum"} when the part is durable
+    error: str | None = None
+    assignment: str = ""  # digest of who writes which replicated key: must agree everywhere
+
+
+class Coordinator:
+    """One rank's end of the protocol above.
+
+    Args:
+        store: a ``torch.distributed.Store`` reachable by every rank. It is cloned, so
+            polling here never shares a connection with the training loop.
+        rank, world_size: this rank and the job's size.
+        prefix: the namespace of one Checkpointer (`instance_prefix()`).
+        timeout: seconds to wait for the other ranks at any one point.
+    """
+
+    POLL_MIN = 0.002
+    POLL_MAX = 0.05
+
+    def __init__(self, store: Any, rank: int, world_size: int, prefix: str, timeout: float) -> None:
+        import torch.distributed as dist
+
+        try:
+            base = store.clone()  # a connection of our own
+        except Exception:  # stores without clone (HashStore, FileStore) are safe to share
+            base = store
+        self._store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
+        self._store.set_timeout(timedelta(seconds=max(timeout, 1.0)))
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.generation = 0  # bumped by every collective restore, on every rank alike
+        self._lock = threading.Lock()  # one operation at a time on our connection
+
+    # -- primitives ------------------------------------------------------------------
+
+    def _op(self, fn: Callable[[Any], Any]) -> Any:
+        with self._lock:
+            return fn(self._store)
+
+    def _poll(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
+        delay = self.POLL_MIN
+        while not ready():
+            if time.monotonic() >= deadline:
+                raise CoordinationError(f"rank {self.rank}: gave up after {self.timeout:.0f}s waiting for {what}")
+            time.sleep(delay)
+            delay = min(self.POLL_MAX, delay * 2)
+
+    def _has(self, key: str) -> bool:
+        return bool(self._op(lambda s: s.check([key])))
+
+    def _get(self, key: str) -> bytes:
+        return bytes(self._op(lambda s: s.get(key)))
+
+    def _count(self, key: str) -> int:
+        return int(self._op(lambda s: s.add(key, 0)))
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        for k in keys:
+            self._op(functools.partial(_delete_key, key=k))
+
+    def _get_many(self, keys: Sequence[str]) -> list[bytes]:
+        out: list[bytes] = []
+        for i in range(0, len(keys), 1024):
+            out.extend(bytes(v) for v in self._op(functools.partial(_multi_get, keys=list(keys[i : i + 1024]))))
+        return out
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def elect(self, what: str, identity: str) -> int:
+        """The leader among the ranks that name the same `identity` (one directory): the
+        first to ask. Every rank of that group gets the same answer."""
+        key = f"leader/{what}/{identity}"
+        return int(self._op(lambda s: s.compare_set(key, "", str(self.rank))))
+
+    # -- committing a step -------------------------------------------------------------
+
+    def _base(self, step: int, tier: str) -> str:
+        return f"g{self.generation}/s{step}/{tier}/"
+
+    def report(self, step: int, tier: str, part: PartReport) -> None:
+        """Tell the others how this rank's part of `step` went (once per step and tier)."""
+        base = self._base(step, tier)
+        doc = {"manifest": part.manifest, "error": part.error, "assignment": part.assignment}
+        self._op(lambda s: s.set(f"{base}part/{self.rank}", json.dumps(doc)))
+        self._op(lambda s: s.add(f"{base}n", 1))
+
+    def decide(self, step: int, tier: str, build_marker: Callable[[list[dict[str, Any]]], bytes]) -> bytes:
+        """Rank 0: wait for every rank's report, then publish the verdict (the marker bytes)
+        or the reason the step fails; return the marker or raise CoordinationError."""
+        assert self.rank == 0
+        base = self._base(step, tier)
+        deadline = time.monotonic() + self.timeout
+        try:
+            self._poll(
+                lambda: self._count(f"{base}n") >= self.world_size, deadline, f"every rank's part of step {step}"
+            )
+        except CoordinationError:
+            missing = [r for r in range(self.world_size) if not self._has(f"{base}part/{r}")]
+            return self._fail(base, f"ranks {_ranges(missing)} did not report their part within {self.timeout:.0f}s")
+        docs = [json.loads(v) for v in self._get_many([f"{base}part/{r}" for r in range(self.world_size)])]
+        failed = [(r, d["error"]) for r, d in enumerate(docs) if d["manifest"] is None]
+        if failed:
+            r, why = failed[0]
+            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+            return self._fail(base, f"rank {r} failed its part: {why}{more}")
+        if len({d["assignment"] for d in docs}) != 1:
+            return self._fail(base, "ranks disagree on who writes the replicated keys (their states differ)")
+        try:
+            marker = build_marker([d["manifest"] for d in docs])
+        except Exception as exc:
+            return self._fail(base, f"cannot build the commit marker: {exc!r}")
+        self._op(lambda s: s.set(f"{base}verdict", b"ok\n" + marker))
+        return marker
+
+    def _fail(self, base: str, reason: str) -> bytes:
+        self._op(lambda s: s.set(f"{base}verdict", b"fail\n" + reason.encode()))
+        raise CoordinationError(reason)
+
+    def abandon(self, step: int, tier: str, reason: str) -> None:
+        """This rank's part failed: report it and, on rank 0, fail the step at once, so no
+        rank waits for the timeout."""
+        self.report(step, tier, PartReport(self.rank, None, reason))
+        if self.rank == 0:
+            base = self._base(step, tier)
+            self._op(lambda s: s.set(f"{base}verdict", b"fail\n" + f"rank 0 failed its part: {reason}".encode()))
+        self.acknowledge(step, tier)
+
+    def verdict(self, step: int, tier: str) -> bytes:
+        """Wait for rank 0's verdict: the marker bytes, or CoordinationError with the reason."""
+        base = self._base(step, tier)
+        deadline = time.monotonic() + 2 * self.timeout  # rank 0 itself waits up to `timeout`
+        self._poll(lambda: self._has(f"{base}verdict"), deadline, f"rank 0's verdict on step {step}")
+        kind, _, body = self._get(f"{base}verdict").partition(b"\n")
+        if kind != b"ok":
+            raise CoordinationError(body.decode(errors="replace"))
+        return body
+
+    def marked(self, step: int, tier: str, error: str | None = None) -> None:
+        """Leader: the marker is written in this rank's directory (or could not be)."""
+        base = self._base(step, tier)
+        value = b"ok" if error is None else b"fail\n" + error.encode()
+        self._op(lambda s: s.set(f"{base}marked/{self.rank}", value))
+
+    def wait_marked(self, step: int, tier: str, leader: int) -> None:
+        """Wait until `leader` wrote the marker into the directory this rank shares with it."""
+        base = self._base(step, tier)
+        deadline = time.monotonic() + self.timeout
+        self._poll(lambda: self._has(f"{base}marked/{leader}"), deadline, f"rank {leader} to write the marker")
+        kind, _, why = self._get(f"{base}marked/{leader}").partition(b"\n")
+        if kind != b"ok":
+            raise CoordinationError(f"rank {leader} could not write the commit marker: {why.decode(errors='replace')}")
+
+    def acknowledge(self, step: int, tier: str, leaders: Sequence[int] = ()) -> None:
+        """Done with `step` on `tier`; the last rank to say so deletes the step's keys."""
+        base = self._base(step, tier)
+        if self._op(lambda s: s.add(f"{base}ack", 1)) >= self.world_size:
+            keys = [f"{base}part/{r}" for r in range(self.world_size)]
+            keys += [f"{base}marked/{r}" for r in leaders]
+            self._delete([*keys, f"{base}n", f"{base}verdict", f"{base}ack"])
+
+    # -- restore agreement -------------------------------------------------------------
+
+    def agree_candidates(self, mine: Sequence[int], shared: Callable[[], list[int]], step: int | None) -> list[int]:
+        """Steps every rank can restore, newest first (or [step] if every rank can).
+
+        `mine` is what this rank's own tier 1 holds; `shared` lists the tier every rank
+        reads (called on rank 0 only). Collective: every rank must call it.
+        """
+        self.generation += 1
+        base = f"g{self.generation}/restore/"
+        self._op(lambda s: s.set(f"{base}have/{self.rank}", json.dumps(sorted(mine))))
+        self._op(lambda s: s.add(f"{base}n", 1))
+        deadline = time.monotonic() + self.timeout
+        if self.rank == 0:
+            try:
+                self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, "every rank to list its steps")
+                on_shared = set(shared())
+                common: set[int] | None = None
+                for v in self._get_many([f"{base}have/{r}" for r in range(self.world_size)]):
+                    have = set(json.loads(v))
+                    common = have if common is None else common & have
+                feasible = sorted(on_shared | (common or set()), reverse=True)
+                if step is not None:
+                    feasible = [step] if step in feasible else []
+                plan = json.dumps({"candidates": feasible})
+            except Exception as exc:
+                plan = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+            self._op(lambda s: s.set(f"{base}plan", plan))
+        self._poll(lambda: self._has(f"{base}plan"), deadline + self.timeout, "rank 0's restore plan")
+        doc = json.loads(self._get(f"{base}plan"))
+        if "error" in doc:
+            raise CoordinationError(f"rank 0 could not plan the restore: {doc['error']}")
+        return [int(s) for s in doc["candidates"]]
+
+    def agree_outcome(self, index: int, ok: bool, reason: str = "", fatal: bool = False) -> tuple[bool, str, bool]:
+        """After trying candidate `index`: did every rank succeed? Returns (everyone ok, the
+        first failure, whether some rank gave up on the restore altogether)."""
+        base = f"g{self.generation}/restore/r{index}/"
+        if not ok:
+            self._op(lambda s: s.set(f"{base}why/{self.rank}", ("!" if fatal else "-") + reason[:2000]))
+            self._op(lambda s: s.add(f"{base}bad", 1))
+        self._op(lambda s: s.add(f"{base}n", 1))
+        deadline = time.monotonic() + self.timeout
+        self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, "every rank to read the step")
+        if self._count(f"{base}bad") == 0:
+            return True, "", False
+        first, stop = "", False
+        for r in range(self.world_size):
+            if self._has(f"{base}why/{r}"):
+                why = self._get(f"{base}why/{r}").decode(errors="replace")
+                first = first or f"rank {r}: {why[1:]}"
+                stop = stop or why.startswith("!")
+        return False, first, stop
+
+
+def _delete_key(store: Any, key: str) -> None:
+    store.delete_key(key)
+
+
+def _multi_get(store: Any, keys: list[str]) -> list[bytes]:
+    return list(store.multi_get(keys))
+
+
+def _append(store: Any, key: str, value: str) -> None:
+    store.append(key, value)
+
+
+def node_identity(path: str) -> str:
+    """Which directory `path` is, across the job: host name plus device and inode, so ranks
+    sharing a node-local directory (or one path on a shared filesystem) find each other."""
+    os.makedirs(path, exist_ok=True)
+    st = os.stat(path)
+    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``0-3,7``: a compact list of ranks for messages."""
+    out: list[str] = []
+    start = prev = None
+    for r in ranks:
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    if start is not None:
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(out) or "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """This rank's place in the job, as the pipeline needs it."""
+
+    coord: Coordinator
+    leader: dict[str, int]  # per tier: the rank that writes markers and prunes in my directory
+    leaders: dict[str, tuple[int, ...]]  # per tier: every leader (one per distinct directory)
+
+    @property
+    def rank(self) -> int:
+        return self.coord.rank
+
+    def leads(self, tier: str) -> bool:
+        return self.leader[tier] == self.coord.rank
+
+
+def join_group(store: Any, rank: int, world_size: int, timeout: float, local: Any, remote: Any) -> Group:
+    """Set up this rank's side of the protocol (collective: every rank calls it once per
+    Checkpointer, in the same order): elect one leader per tier-1 directory, learn every
+    leader, and wait until all ranks are there."""
+    coord = Coordinator(store, rank, world_size, instance_prefix(), timeout)
+    leader: dict[str, int] = {}
+    if local is not None:
+        leader[local.name] = coord.elect(local.name, node_identity(local.root))
+    if remote is not None:
+        leader[remote.name] = 0  # shared by every rank: rank 0 commits and prunes it
+    for tier, who in leader.items():
+        if who == rank:
+            coord._op(functools.partial(_append, key=f"leaders/{tier}", value=f"{rank},"))
+    coord._op(lambda s: s.add("joined", 1))
+    deadline = time.monotonic() + timeout
+    coord._poll(lambda: coord._count("joined") >= world_size, deadline, "every rank to create its Checkpointer")
+    leaders = {
+        tier: tuple(sorted(int(r) for r in coord._get(f"leaders/{tier}").decode().split(",") if r)) for tier in leader
+    }
+    return Group(coord, leader, leaders)
