@@ -6,6 +6,7 @@ from .api import load
 from .checkpointer import Checkpointer
 from .errors import (
     CheckpointCorruptedError,
+    CoordinationError,
     NoCheckpointError,
     StateMismatchError,
     StepConflictError,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointCorruptedError",
     "Checkpointer",
+    "CoordinationError",
     "DrainReport",
     "KeepAll",
     "KeepEvery",

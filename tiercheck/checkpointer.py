@@ -339,48 +339,56 @@ class Checkpointer:
             self._check_open()
             if type(step) is not int or step < 0:
                 raise UnsupportedStateError(f"step must be a non-negative int, got {step!r}")
-            self._raise_background_errors()
-            flat, replicated = self._flatten(state)
-            self._claim_step(step)
-            plan = self._plan_for(flat)
-            handle = SaveHandle(step, [t.name for t in self._tiers], self._pipeline.error_seen)
-            stats = handle.stats
-            allocations = self._pool.allocations
-            t1 = time.perf_counter()
-            buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
-            t2 = time.perf_counter()
-            overlapped = (self._overlap if overlap is None else overlap) and any(flat.deferrable)
-            job = StagedSave(
-                step=step,
-                rank=self.rank,
-                world_size=self.world_size,
-                tree=flat.tree,
-                leaves=flat.leaves,
-                plan=plan,
-                buffer=buf,
-                handle=handle,
-                progress=None if overlapped else StageProgress(),
-                replicated=replicated,
-            )
-            if overlapped:
-                try:
-                    stage_into(buf, flat, plan, deferred=False)
-                except BaseException:
-                    self._pool.release(buf)
-                    raise
-                self._guard(flat.optimizers)
-                handle._staged.clear()
-                self._pipeline.submit(job, finish_staging=flat)
-            else:
-                # The writer starts now and follows the copy block by block, so writing
-                # overlaps copying; on failure it drops the step and we raise the cause.
-                assert job.progress is not None
-                self._pipeline.submit(job)
-                try:
-                    stage_into(buf, flat, plan, progress=job.progress)
-                except BaseException:
-                    job.progress.fail()
-                    raise
+            submitted = False  # from then on the pipeline reports this step's fate to the other ranks
+            try:
+                self._raise_background_errors()
+                flat, replicated = self._flatten(state)
+                self._claim_step(step)
+                plan = self._plan_for(flat)
+                handle = SaveHandle(step, [t.name for t in self._tiers], self._pipeline.error_seen)
+                stats = handle.stats
+                allocations = self._pool.allocations
+                t1 = time.perf_counter()
+                buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
+                t2 = time.perf_counter()
+                overlapped = (self._overlap if overlap is None else overlap) and any(flat.deferrable)
+                job = StagedSave(
+                    step=step,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    tree=flat.tree,
+                    leaves=flat.leaves,
+                    plan=plan,
+                    buffer=buf,
+                    handle=handle,
+                    progress=None if overlapped else StageProgress(),
+                    replicated=replicated,
+                )
+                if overlapped:
+                    try:
+                        stage_into(buf, flat, plan, deferred=False)
+                    except BaseException:
+                        self._pool.release(buf)
+                        raise
+                    self._guard(flat.optimizers)
+                    handle._staged.clear()
+                    self._pipeline.submit(job, finish_staging=flat)
+                    submitted = True
+                else:
+                    # The writer starts now and follows the copy block by block, so writing
+                    # overlaps copying; on failure it drops the step and we raise the cause.
+                    assert job.progress is not None
+                    self._pipeline.submit(job)
+                    submitted = True
+                    try:
+                        stage_into(buf, flat, plan, progress=job.progress)
+                    except BaseException:
+                        job.progress.fail()
+                        raise
+            except BaseException as exc:
+                if self._group is not None and not submitted:
+                    self._abandon(step, exc)
+                raise
             t3 = time.perf_counter()
             stats.bytes = plan.total_bytes
             stats.allocated = self._pool.allocations != allocations
@@ -389,6 +397,16 @@ class Checkpointer:
             stats.stall_s = t3 - t0
             self._latest_known = step
             return handle
+
+    def _abandon(self, step: int, exc: BaseException) -> None:
+        """save() failed on this rank before the step reached the pipeline: tell the other
+        ranks now, so their part of `step` fails at once instead of at the timeout."""
+        assert self._group is not None
+        for t in self._tiers:
+            try:
+                self._group.coord.abandon(step, t.name, f"save() raised {type(exc).__name__}: {exc}")
+            except Exception as err:
+                logger.warning("tiercheck: could not tell the other ranks that step %d failed: %r", step, err)
 
     def _guard(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Make each optimizer wait for an overlapped copy before it changes anything."""
@@ -577,7 +595,7 @@ class Checkpointer:
             self._check_open()
             self.wait()
             if self._group is None:
-                found = restore_from(self._tiers, state, step, self.rank)
+                found = restore_from(self._tiers, state, step, self.rank, world_size=self.world_size)
             else:
                 found = restore_collective(
                     self._group.coord, self._local, self._remote, state, step, self.rank, self.world_size

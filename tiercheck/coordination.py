@@ -38,13 +38,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from .errors import TiercheckError
+from .errors import CoordinationError
 
 __all__ = ["CoordinationError", "Coordinator", "from_process_group", "instance_prefix"]
-
-
-class CoordinationError(TiercheckError, TimeoutError):
-    """Ranks of a job could not agree: another rank did not answer in time, or failed."""
 
 
 _instances = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointCorruptedError",
+    "CoordinationError",
     "NoCheckpointError",
     "StateMismatchError",
     "StepConflictError",
@@ -36,6 +37,11 @@ class StateMismatchError(TiercheckError, ValueError):
 
 class StepConflictError(TiercheckError, FileExistsError):
     """`save()` was asked for a step that is not newer than existing or pending steps."""
+
+
+class CoordinationError(TiercheckError, TimeoutError):
+    """The ranks of a job could not agree: another rank did not answer within
+    `coordination_timeout`, or reported a failure (the message names the rank)."""
 
 
 class UploadSkippedError(TiercheckError):

@@ -566,10 +566,12 @@ def restore_from(
     step: int | None,
     rank: int,
     strict: bool = True,
+    world_size: int | None = None,
 ) -> Restored | None:
     """Restore the newest verifiable step (or exactly `step`) from the fastest tier having it.
 
-    Returns None when no tier has any committed step.
+    `world_size` is the restoring job's (see `prepare_step`); None reads rank `rank`'s view
+    whatever the world size of the checkpoint. Returns None when no tier has any committed step.
     """
     holders = list_committed(tiers)
     if step is not None:
@@ -582,12 +584,14 @@ def restore_from(
     if not candidates:
         return None
     failures: list[str] = []
+    missing_only = True  # every failure a NoCheckpointError (e.g. no such rank): say so
     for s in candidates:
         for tier in holders[s]:
             try:
-                value = read_step(tier, s, rank, template, strict)
+                value = read_step(tier, s, rank, template, strict, world_size)
                 return Restored(s, value, tuple(sorted(holders)))
             except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
+                missing_only = missing_only and isinstance(exc, NoCheckpointError)
                 failures.append(f"step {s} on tier {tier.name!r}: {exc}")
                 if step is None or tier is not holders[s][-1]:
                     warnings.warn(
@@ -597,11 +601,10 @@ def restore_from(
                         stacklevel=3,
                     )
     detail = "; ".join(failures)
+    error = NoCheckpointError if missing_only else CheckpointCorruptedError
     if step is not None:
-        raise CheckpointCorruptedError(f"step {step} cannot be restored: {detail}")
-    raise CheckpointCorruptedError(
-        f"no committed step could be restored ({len(candidates)} tried, newest first): {detail}"
-    )
+        raise error(f"step {step} cannot be restored: {detail}")
+    raise error(f"no committed step could be restored ({len(candidates)} tried, newest first): {detail}")
 
 
 def restore_collective(

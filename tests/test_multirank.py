@@ -1,0 +1,253 @@
+"""Multi-rank checkpoints with real torch.distributed processes (gloo on CPU).
+
+Every test starts its ranks as separate Python processes (tests/multirank_worker.py) that
+join a real process group; world-size changes mix such jobs with single-process use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercheck
+from tests.multirank_worker import digest, make_state, saved_view, train, zero
+from tiercheck import layout
+from tiercheck.state import flatten_state
+
+REPLICATED = ("state['model']", "state['optimizer']")
+WORKER = str(Path(__file__).with_name("multirank_worker.py"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(
+    scenario: str, world: int, root: Path, env: dict[str, str] | None = None, timeout: float = 120
+) -> tuple[list[dict[str, Any] | None], list[int]]:
+    """Run `scenario` on `world` ranks; return each rank's result (None if it wrote none)
+    and exit codes."""
+    port = free_port()
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, scenario, str(r), str(world), str(port), str(root)],
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"{scenario}: ranks still running after {timeout}s") from None
+        outputs.append(out.decode(errors="replace"))
+    results: list[dict[str, Any] | None] = []
+    for r in range(world):
+        path = root / f"result-{scenario}-{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+        if path.exists():
+            path.unlink()
+    codes = [p.returncode for p in procs]
+    for r, (code, res) in enumerate(zip(codes, results, strict=True)):
+        if res is None and code != -9:
+            raise AssertionError(f"rank {r} of {scenario} failed (exit {code}):\n{outputs[r][-4000:]}")
+    return results, codes
+
+
+def committed(root: Path) -> list[int]:
+    return sorted(int(p.name[len("step-") :]) for p in root.glob("step-*") if (p / layout.COMMIT_NAME).is_file())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_round_trip_bit_exact_with_node_local_tier(tmp_path: Path, world: int) -> None:
+    results, _ = run_job("roundtrip", world, tmp_path)
+    saved = [r["saved"] for r in results if r]
+    assert len(set(saved)) == world  # per-rank keys differ, so each rank's state is its own
+    for rank, res in enumerate(results):
+        assert res is not None
+        assert res["restored_step"] == 30
+        assert res["restored"] == res["saved"], f"rank {rank} restored other bytes"
+        assert res["restored_20"] == 20 and res["digest_20"] == res["saved_20"]
+        assert res["local_steps"] == [20, 30]  # keep_local=2 on every node
+        assert res["remote_steps"] == [10, 20, 30]
+        # Node-local: each node's directory holds only its own rank's files, and a marker.
+        node = tmp_path / f"node{rank}" / "step-000000000030"
+        assert sorted(p.name for p in node.iterdir()) == [
+            layout.COMMIT_NAME,
+            layout.manifest_name(rank, world),
+            layout.shard_name(rank, world),
+        ]
+    # Tier 2: one step directory with every rank's part and one marker listing them all.
+    marker = json.loads((tmp_path / "remote" / "step-000000000030" / layout.COMMIT_NAME).read_text())
+    assert [m["name"] for m in marker["manifests"]] == [layout.manifest_name(r, world) for r in range(world)]
+    assert committed(tmp_path / "remote") == [10, 20, 30]
+
+
+def test_replicated_keys_are_written_once(tmp_path: Path) -> None:
+    world = 2
+    run_job("roundtrip", world, tmp_path)
+    step_dir = tmp_path / "remote" / "step-000000000030"
+    owners: dict[str, list[int]] = {"model": [], "optimizer": []}
+    for r in range(world):
+        m = json.loads((step_dir / layout.manifest_name(r, world)).read_text())
+        assert sorted(map(tuple, m["replicated"])) == [("s", "model"), ("s", "optimizer")]
+        for k, v in zip(m["tree"]["k"], m["tree"]["v"], strict=True):
+            if k[1] in owners and v["t"] != "replica":
+                owners[k[1]].append(r)
+            elif k[1] in owners:
+                assert v == {"t": "replica", "r": v["r"]} and v["r"] != r
+    # Each replicated key is stored by exactly one rank; "balance" spreads them over both.
+    assert sorted(len(v) for v in owners.values()) == [1, 1]
+    assert {v[0] for v in owners.values()} == {0, 1}
+    # The replicated bytes on tier 2 add up to one copy of model + optimizer, not one per rank.
+    state = make_state(0)
+    train(state, 1)
+    one_copy = sum(lf.nbytes for lf in flatten_state(saved_view(state)).leaves if lf.path.startswith(REPLICATED))
+    stored = 0
+    for r in range(world):
+        m = json.loads((step_dir / layout.manifest_name(r, world)).read_text())
+        stored += sum(e["length"] for e in m["entries"] if e["path"].startswith(REPLICATED))
+    assert stored == one_copy > 0
+
+
+def test_shared_tier1_directory_one_marker(tmp_path: Path) -> None:
+    results, _ = run_job("roundtrip", 2, tmp_path, env={"MR_LAYOUT": "shared"})
+    for res in results:
+        assert res is not None and res["restored_step"] == 30 and res["restored"] == res["saved"]
+        assert not res["warnings"], res["warnings"]  # everything read from the shared tier 1
+    step_dir = tmp_path / "shared" / "step-000000000030"
+    assert sorted(p.name for p in step_dir.iterdir()) == sorted(
+        [layout.COMMIT_NAME] + [f(r, 2) for r in range(2) for f in (layout.manifest_name, layout.shard_name)]
+    )
+    assert committed(tmp_path / "shared") == [20, 30]
+    assert not [p for p in (tmp_path / "shared").iterdir() if p.name.startswith(".")]  # no temp left
+
+
+def test_damaged_tier1_copy_on_one_rank_reads_tier2_and_others_keep_tier1(tmp_path: Path) -> None:
+    run_job("roundtrip", 2, tmp_path)
+    step_dir = tmp_path / "node1" / "step-000000000030"
+    manifest = json.loads((step_dir / layout.manifest_name(1, 2)).read_text())
+    (entry,) = [e for e in manifest["entries"] if e["path"] == "state['shard']"]
+    shard = step_dir / layout.shard_name(1, 2)
+    data = bytearray(shard.read_bytes())
+    data[entry["offset"]] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # Per-rank keys only: each rank's part is complete on its own node (replicated keys
+    # would send ranks on other nodes to tier 2 anyway).
+    results, _ = run_job("restore_only", 2, tmp_path, env={"MR_KEYS": "shard,rng,position"})
+    r0, r1 = results
+    assert r0 is not None and r1 is not None
+    assert r0["restored_step"] == r1["restored_step"] == 30
+    assert any("node1" in w and "checksum" in w for w in r1["warnings"]), r1["warnings"]
+    assert not r0["warnings"], r0["warnings"]  # rank 0 kept its tier-1 copy
+
+
+def test_step_missing_for_one_rank_everyone_restores_an_older_step(tmp_path: Path) -> None:
+    results, _ = run_job("roundtrip", 2, tmp_path)
+    older = results[1]
+    assert older is not None
+    # Rank 1's part of step 30 is gone from its node and from tier 2: no rank may restore 30.
+    for p in (
+        tmp_path / "node1" / "step-000000000030" / layout.shard_name(1, 2),
+        tmp_path / "remote" / "step-000000000030" / layout.shard_name(1, 2),
+    ):
+        p.unlink()
+    restored, _ = run_job("restore_only", 2, tmp_path, env={"MR_KEYS": "model,optimizer,shard"})
+    assert [r["restored_step"] for r in restored if r] == [20, 20]
+
+
+def test_rank_killed_mid_save_others_fail_within_timeout_and_previous_step_restores(tmp_path: Path) -> None:
+    timeout = 4.0
+    results, codes = run_job("kill_mid_save", 2, tmp_path, env={"MR_TIMEOUT": str(timeout)})
+    assert codes[1] == -9 and results[1] is None
+    r0 = results[0]
+    assert r0 is not None
+    assert r0["step20"].startswith("TierError") and "step 20" in r0["step20"], r0["step20"]
+    assert r0["waited_s"] < 3 * timeout + 5, r0["waited_s"]  # bounded, not a hang
+    assert r0["local_steps"] == [10] and r0["remote_steps"] == [10]
+    for d in (tmp_path / "node0", tmp_path / "node1", tmp_path / "remote"):
+        assert committed(d) == [10]
+    restored, _ = run_job("restore_after_kill", 2, tmp_path)
+    for res in restored:
+        assert res is not None and res["restored_step"] == 10
+    # Rank 0's restored state is what it saved at step 10 (rank 1's result died with it).
+    assert restored[0] is not None and restored[0]["digest"] == r0["saved_10"]
+
+
+def test_world_size_change_replicated_state(tmp_path: Path) -> None:
+    # 2 -> 1: a single process (no process group) restores the replicated keys.
+    run_job("roundtrip", 2, tmp_path)
+    state = make_state(0, seed=9)
+    zero(state)
+    template = {"model": state["model"], "optimizer": state["optimizer"]}
+    with tiercheck.Checkpointer(local=tmp_path / "node0", remote=f"file://{tmp_path}/remote") as ck:
+        assert ck.restore(template) == 30
+        with pytest.raises(tiercheck.StateMismatchError, match=r"2 ranks.*'shard'"):
+            ck.restore({"model": state["model"], "shard": state["shard"]})
+    view0 = tiercheck.load(f"file://{tmp_path}/remote", rank=0)
+    view1 = tiercheck.load(f"file://{tmp_path}/remote", rank=1)
+    assert digest(view0["model"]) == digest(view1["model"]) == digest(state["model"].state_dict())
+    assert not torch.equal(view0["shard"], view1["shard"])  # per-rank keys are each rank's own
+    with pytest.raises(tiercheck.NoCheckpointError, match="no rank 2"):
+        tiercheck.load(f"file://{tmp_path}/remote", rank=2)
+
+    # 1 -> 2: a single process saves; two ranks restore the replicated keys from it.
+    single = tmp_path / "single"
+    state = make_state(0, seed=3)
+    train(state, 2)
+    with tiercheck.Checkpointer(remote=f"file://{single}/remote", replicated=("model", "optimizer")) as ck:
+        ck.save(7, saved_view(state))
+    want = digest({"model": state["model"], "optimizer": state["optimizer"]})
+    results, _ = run_job("restore_only", 2, single, env={"MR_KEYS": "model,optimizer"})
+    for res in results:
+        assert res is not None and res["restored_step"] == 7 and res["digest"] == want
+    # Per-rank keys cannot follow a world-size change: every rank gets the same clear error.
+    results, _ = run_job("restore_only", 2, single, env={"MR_KEYS": "model,position"})
+    for res in results:
+        assert res is not None and "StateMismatchError" in res.get("error", ""), res
+
+
+def test_save_failing_on_one_rank_fails_the_step_everywhere_at_once(tmp_path: Path) -> None:
+    results, _ = run_job("one_rank_fails", 2, tmp_path, env={"MR_FAIL": "state"})
+    r0, r1 = results
+    assert r0 is not None and r1 is not None
+    assert r1["save20"].startswith("UnsupportedStateError") and "state['bad']" in r1["save20"]
+    # Rank 0 hears about it from the store right away, far below the 60 s timeout.
+    assert r0["local20"].startswith("TierError") and "rank 1" in r0["local20"], r0["local20"]
+    assert r0["waited_s"] < 20, r0["waited_s"]
+    for res in results:
+        assert res["local_steps"] == [10, 30]  # keep_local=2; step 20 never committed
+        assert 20 not in res["remote_steps"] and res["remote_steps"][-1] == 30
+        assert res["restored_step"] == 30 and res["restored"] == res["saved_30"]
+
+
+def test_disk_full_on_one_rank_tier1_step_still_reaches_tier2(tmp_path: Path) -> None:
+    results, _ = run_job("one_rank_fails", 2, tmp_path, env={"MR_FAIL": "disk"})
+    r0, r1 = results
+    assert r0 is not None and r1 is not None
+    assert "No space left" in r1["local20"] and "step 20" in r1["local20"]
+    assert r0["local20"].startswith("TierError") and "rank 1" in r0["local20"]
+    # Tier 1 failed for the job, but every rank still had the snapshot in host memory.
+    assert r0["remote20"] == r1["remote20"] == "ok"
+    assert r0["waited_s"] < 20
+    for res in results:
+        assert 20 not in res["local_steps"] and 20 in res["remote_steps"]
+        assert res["restored_step"] == 30 and res["restored"] == res["saved_30"]
