@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from .errors import CoordinationError
@@ -103,8 +102,9 @@ class Coordinator:
             base = store.clone()  # a connection of our own
         except Exception:  # stores without clone (HashStore, FileStore) are safe to share
             base = store
+        # Only non-blocking calls are made (get/multi_get only after check() saw the keys),
+        # so the store's own timeout never applies and is left as the job set it.
         self._store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
-        self._store.set_timeout(timedelta(seconds=max(timeout, 1.0)))
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
