@@ -93,7 +93,7 @@ class Coordinator:
     """
 
     POLL_MIN = 0.002
-    POLL_MAX = 0.05
+    POLL_MAX = 0.05  # per 1000 ranks: W ranks polling rank 0's store stay near 20k ops/s
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str, timeout: float) -> None:
         import torch.distributed as dist
@@ -108,6 +108,7 @@ class Coordinator:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        self._poll_max = min(1.0, self.POLL_MAX * max(1.0, world_size / 1000))
         self.generation = 0  # bumped by every collective restore, on every rank alike
         self._lock = threading.Lock()  # one operation at a time on our connection
 
@@ -123,7 +124,7 @@ class Coordinator:
             if time.monotonic() >= deadline:
                 raise CoordinationError(f"rank {self.rank}: gave up after {self.timeout:.0f}s waiting for {what}")
             time.sleep(delay)
-            delay = min(self.POLL_MAX, delay * 2)
+            delay = min(self._poll_max, delay * 2)
 
     def _has(self, key: str) -> bool:
         return bool(self._op(lambda s: s.check([key])))
