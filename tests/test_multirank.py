@@ -251,3 +251,20 @@ def test_disk_full_on_one_rank_tier1_step_still_reaches_tier2(tmp_path: Path) ->
     for res in results:
         assert 20 not in res["local_steps"] and 20 in res["remote_steps"]
         assert res["restored_step"] == 30 and res["restored"] == res["saved_30"]
+
+
+def test_fsdp2_sharded_state_round_trip_and_no_resharding(tmp_path: Path) -> None:
+    results, _ = run_job("fsdp", 2, tmp_path)
+    r0, r1 = results
+    assert r0 is not None and r1 is not None
+    for res in results:
+        assert res["restored_step"] == 5 and res["restored"] == res["saved"]
+    assert r0["saved"] != r1["saved"]  # each rank holds a different slice
+    # One rank's view, without a process group: its local pieces, as plain tensors.
+    view = tiercheck.load(f"file://{tmp_path}/remote", rank=1)
+    assert [tuple(t.shape) for t in view["model"].values()] == [tuple(s) for s in r1["shapes"]]
+    # A job of another size cannot restore per-rank (sharded) keys: a clear error.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ck = tiercheck.Checkpointer(remote=f"file://{tmp_path}/remote")
+    with ck, pytest.raises(tiercheck.StateMismatchError, match=r"saved by 2 ranks.*resharding"):
+        ck.restore({"model": model})

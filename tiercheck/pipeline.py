@@ -352,7 +352,10 @@ class Pipeline:
                 writer.abort()
             raise
         finally:
-            coord.acknowledge(step, tier.name, group.leaders[tier.name])
+            try:
+                coord.acknowledge(step, tier.name, group.leaders[tier.name])
+            except Exception as exc:  # the store is gone: the outcome above stands
+                logger.warning("tiercheck: could not acknowledge step %d on tier %s: %r", step, tier.name, exc)
 
     def _uploader_put(self, item: object) -> None:
         assert self._uploader is not None

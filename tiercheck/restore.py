@@ -22,7 +22,7 @@ from .coordination import Coordinator
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
 from .manifest import Entry, Manifest, Marker, decode_key, decode_manifest, decode_marker
-from .state import ROOT, JsonNode, decode_float, is_stateful, key_path
+from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
 
 MAX_MARKER_BYTES = 1 << 20
@@ -73,6 +73,18 @@ class _Binder:
     def _leaf(self, tmpl: object, e: Entry, path: str, strict: bool) -> Producer:
         if e.kind == "tensor":
             dtype = TORCH_DTYPES[e.dtype]
+            if isinstance(tmpl, torch.Tensor) and type(tmpl) not in (torch.Tensor, torch.nn.Parameter):
+                local = dtensor_local(tmpl, path)
+                if local is not None:  # a DTensor: its local piece is what this rank saved
+                    if torch_dtype_name(local.dtype) != e.dtype or tuple(local.shape) != e.shape:
+                        raise self._mismatch(
+                            path,
+                            f"template DTensor's local piece is {local.dtype} {tuple(local.shape)}, checkpoint "
+                            f"has {dtype} {e.shape}: restore with the same device mesh and placements "
+                            "(resharding is not supported)",
+                        )
+                    fill = self._into_tensor(local, e)
+                    return lambda: (fill(), tmpl)[1]
             if isinstance(tmpl, torch.Tensor):
                 ok = torch_dtype_name(tmpl.dtype) == e.dtype and tuple(tmpl.shape) == e.shape
                 if ok:

@@ -58,6 +58,31 @@ class FlatState:
         return tuple((lf.kind, lf.dtype, lf.shape, lf.alias_of) for lf in self.leaves)
 
 
+def dtensor_local(t: torch.Tensor, path: str) -> torch.Tensor | None:
+    """The local piece of a DTensor (a view of its storage), or None for other subclasses.
+
+    Raises:
+        UnsupportedStateError: a DTensor with a Partial placement (its local piece is not a
+            part of the value: reduce it first).
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    if not isinstance(t, DTensor):
+        return None
+    if any(p.is_partial() for p in t.placements):
+        raise UnsupportedStateError(f"{path}: a DTensor with a Partial placement cannot be saved; reduce it first")
+    local: torch.Tensor = t.to_local()
+    return local
+
+
+def _identity(p: torch.Tensor) -> tuple[torch.device, int]:
+    local = dtensor_local(p, "") if type(p) not in (torch.Tensor, torch.nn.Parameter) else None
+    t = p if local is None else local
+    return t.device, t.data_ptr()
+
+
 def is_stateful(value: object) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
@@ -154,7 +179,7 @@ class _Flattener:
             self._on_path.add(id(value))
             is_opt = isinstance(value, torch.optim.Optimizer)
             params = (
-                {(p.device, p.data_ptr()) for p in value.parameters()} - self._params
+                {_identity(p) for p in value.parameters()} - self._params
                 if isinstance(value, torch.nn.Module)
                 else set()
             )
@@ -214,10 +239,12 @@ class _Flattener:
 
     def _tensor(self, t: torch.Tensor, path: str) -> int:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise UnsupportedStateError(
-                f"{path}: tensor subclass {type(t).__name__} is not supported; "
-                "save a plain tensor (e.g. t.full_tensor() or t.to_local())"
-            )
+            local = dtensor_local(t, path)
+            if local is None:
+                raise UnsupportedStateError(
+                    f"{path}: tensor subclass {type(t).__name__} is not supported; save a plain tensor"
+                )
+            t = local  # a DTensor (FSDP2, tensor parallel) is saved as the piece this rank holds
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
             raise UnsupportedStateError(f"{path}: only dense strided tensors are supported, got layout {t.layout}")
         if t.device.type == "meta":
