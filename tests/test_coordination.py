@@ -53,8 +53,11 @@ def commit_fn(c: Coordinator, step: int, assignment: str = "") -> Any:
         c.report(step, "remote", PartReport(c.rank, ref(c.rank, c.world_size), None, assignment))
         try:
             if c.rank == 0:
-                return c.decide(step, "remote", lambda refs: repr(refs).encode())
-            return c.verdict(step, "remote")
+                marker = c.decide(step, "remote", lambda refs: repr(refs).encode())
+            else:
+                marker = c.verdict(step, "remote", want_marker=True)
+            c.forget_part(step, "remote")  # as the pipeline does once the verdict is out
+            return marker
         finally:
             c.acknowledge(step, "remote")
 

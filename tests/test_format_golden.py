@@ -10,7 +10,9 @@
   shard, which checks the spec's byte-level claims (alignment, little-endian tensors,
   numpy byte order, aliases, checksum coverage).
 * The JSON Schemas in docs/format.md must accept the writer's documents (if the
-  `jsonschema` package is installed).
+  `jsonschema` package is installed), multi-rank manifests with `replicated` keys and
+  `replica` nodes included (built without a process group from the writer's internals),
+  and reject malformed replica nodes and `replicated` lists, as the parser does.
 """
 
 from __future__ import annotations
@@ -32,8 +34,20 @@ import torch
 
 import tiercheck
 from tiercheck import layout
+from tiercheck.checksum import checksum_function
 from tiercheck.errors import CheckpointCorruptedError
-from tiercheck.manifest import decode_manifest, decode_marker
+from tiercheck.manifest import (
+    Manifest,
+    ManifestRef,
+    Marker,
+    ShardFile,
+    build_entries,
+    decode_manifest,
+    decode_marker,
+    encode_manifest,
+    encode_marker,
+)
+from tiercheck.planner import plan_shard
 
 HERE = Path(__file__).resolve().parent
 GOLDEN_ROOT = HERE / "golden" / "v1"
@@ -473,3 +487,207 @@ def test_version_must_be_the_integer_1(version: object) -> None:
         doc["version"] = version
         with pytest.raises(CheckpointCorruptedError, match="version"):
             decode(json.dumps(doc).encode(), name)
+
+
+# ------------------------------------------------------ multi-rank: replicated keys
+
+
+def _job_rank_state(rank: int) -> dict[Any, Any]:
+    """What rank `rank` of a data-parallel job saves: model, optimizer and int key 3 the same
+    on every rank, the rest per rank (a stateful object among them)."""
+    counter = Counter(rank)
+    counter.hist = torch.tensor([rank, -rank], dtype=torch.int16)
+    return {
+        "model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([0.5])},
+        "optimizer": {"state": {0: {"m": torch.ones(2, dtype=torch.bfloat16)}}, "lr": 0.1},
+        3: (1, "three", None),
+        "shard": torch.full((4,), float(rank)),
+        "counter": counter,
+        "position": 100 + rank,
+    }
+
+
+JOB_REPLICATED = ("model", "optimizer", 3)
+
+
+def _writer_parts(
+    states: list[dict[Any, Any]], replicated: tuple[Any, ...], step: int
+) -> tuple[list[bytes], bytes, list[Manifest]]:
+    """Each rank's manifest bytes, the commit marker and the manifests, as the writer builds
+    them, without a process group: `Checkpointer._flatten` on a stand-in holding only the
+    attributes it reads (replica nodes, owners, the `replicated` list), then the manifest
+    and marker as `pipeline._write_staged` and `pipeline._job_marker` build them."""
+    world = len(states)
+    checksum = checksum_function("crc32c")
+    encoded: list[bytes] = []
+    manifests: list[Manifest] = []
+    for rank, state in enumerate(states):
+        ck = object.__new__(tiercheck.Checkpointer)
+        ck.rank, ck.world_size = rank, world
+        ck._replicated = frozenset(replicated)
+        ck._replicated_writer = "balance"
+        ck._owners = None
+        ck._group, ck._local, ck._remote = None, None, None
+        flat, keys = ck._flatten(state)
+        plan = plan_shard(flat.leaves)
+        sums = []
+        for leaf, src in zip(flat.leaves, flat.sources, strict=True):
+            if isinstance(src, torch.Tensor):
+                data = src.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            elif isinstance(src, np.ndarray):
+                data = np.ascontiguousarray(src).tobytes()
+            else:
+                assert isinstance(src, (bytes, bytearray))
+                data = bytes(src)
+            assert len(data) == leaf.nbytes
+            sums.append(checksum(data))
+        shard = layout.shard_name(rank, world)
+        m = Manifest(
+            step=step,
+            rank=rank,
+            world_size=world,
+            checksum_algorithm="crc32c",
+            files=(ShardFile(shard, plan.total_bytes),),
+            entries=build_entries(flat.leaves, plan.offsets, sums, shard),
+            tree=flat.tree,
+            replicated=keys,
+        )
+        manifests.append(m)
+        encoded.append(encode_manifest(m))
+    refs = tuple(ManifestRef(layout.manifest_name(r, world), len(b), checksum(b)) for r, b in enumerate(encoded))
+    return encoded, encode_marker(Marker(step, world, "crc32c", refs)), manifests
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_multi_rank_manifests_round_trip_and_pass_the_schema(validators: dict[str, Any], world: int) -> None:
+    encoded, marker, manifests = _writer_parts([_job_rank_state(r) for r in range(world)], JOB_REPLICATED, 42)
+    owners: dict[tuple[str, str], list[int]] = {}
+    for rank, (data, m) in enumerate(zip(encoded, manifests, strict=True)):
+        decoded = decode_manifest(data, f"rank {rank}")
+        assert decoded == m
+        assert encode_manifest(decoded) == data
+        doc = json.loads(data)
+        assert list(doc)[-1] == "replicated"
+        assert doc["replicated"] == [["s", "model"], ["s", "optimizer"], ["i", "3"]]
+        assert _errors(validators["manifest"], doc) == []
+        for k, v in zip(doc["tree"]["k"], doc["tree"]["v"], strict=True):
+            if v["t"] == "replica":
+                assert set(v) == {"t", "r"} and v["r"] != rank and k in doc["replicated"]
+            elif k in doc["replicated"]:
+                owners.setdefault(tuple(k), []).append(rank)
+    # Each replicated key has exactly one owner, and some rank holds a replica node.
+    assert sorted(owners) == sorted([("s", "model"), ("s", "optimizer"), ("i", "3")])
+    assert all(len(v) == 1 for v in owners.values())
+    assert len({r for v in owners.values() for r in v}) > 1  # "balance" spreads them
+    assert _errors(validators["marker"], json.loads(marker)) == []
+    assert decode_marker(marker, "marker").world_size == world
+
+
+def test_single_rank_save_with_replicated_keys_passes_the_schema(validators: dict[str, Any], tmp_path: Path) -> None:
+    # World size 1: the `replicated` list is written, every key is this rank's own.
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None, replicated=("f32", "plain")) as ckpt:
+        ckpt.save(STEP, golden_state()).wait()
+    data = (tmp_path / STEP_DIR / MANIFEST).read_bytes()
+    doc = json.loads(data)
+    assert doc["replicated"] == [["s", "f32"], ["s", "plain"]]
+    assert all(v["t"] != "replica" for v in doc["tree"]["v"])
+    assert _errors(validators["manifest"], doc) == []
+    assert decode_manifest(data, "single").replicated == (("s", "f32"), ("s", "plain"))
+    # Without replicated keys the field is absent (the golden manifest pins the bytes).
+    assert "replicated" not in json.loads((GOLDEN_ROOT / STEP_DIR / MANIFEST).read_bytes())
+
+
+def _doc_multirank_examples() -> list[str]:
+    """The multi-rank example of docs/format.md: fenced as ``json multirank`` so that the
+    single-rank examples (`_doc_examples`, fenced as plain ``json``) stay two."""
+    text = FORMAT_DOC.read_text("utf-8")
+    return re.findall(r"```json multirank\n(.*?)```", text, flags=re.S)
+
+
+def test_format_doc_multirank_example_is_what_the_writer_produces(validators: dict[str, Any]) -> None:
+    w = torch.arange(2.0)
+    states = [{"model": {"w": w}, "position": 100 + r} for r in range(2)]
+    encoded, marker, _ = _writer_parts(states, ("model",), 30)
+    rank0, rank1, marker_example = _doc_multirank_examples()
+    for example, data in ((rank0, encoded[0]), (rank1, encoded[1])):
+        doc = json.loads(example)
+        assert doc == json.loads(data)
+        assert _errors(validators["manifest"], doc) == []
+        decode_manifest(json.dumps(doc).encode(), "doc example")
+    assert json.loads(rank1)["tree"]["v"][0] == {"t": "replica", "r": 0}
+    assert (marker_example.strip() + "\n").encode() == marker
+    assert _errors(validators["marker"], json.loads(marker_example)) == []
+
+
+def _multirank_doc() -> dict[str, Any]:
+    """A valid rank-1 manifest of a 2-rank step whose "model" and 3 are replicas of rank 0."""
+    encoded, _, _ = _writer_parts([_job_rank_state(r) for r in range(2)], ("model", 3), 42)
+    doc: dict[str, Any] = json.loads(encoded[1])
+    assert doc["tree"]["v"][0] == {"t": "replica", "r": 0}
+    return doc
+
+
+def _replica_below(kind: str) -> dict[str, Any]:
+    replica = {"t": "replica", "r": 0}
+    if kind == "dict":
+        return {"t": "dict", "k": [["s", "w"]], "v": [replica]}
+    if kind == "list":
+        return {"t": "list", "v": [replica]}
+    if kind == "tuple":
+        return {"t": "tuple", "v": [{"t": "none"}, replica]}
+    assert kind == "stateful"
+    return {"t": "stateful", "v": {"t": "dict", "k": [["s", "w"]], "v": [replica]}}
+
+
+# Mutations of `_multirank_doc()` that both the schema and the reference parser reject.
+BAD_MULTIRANK = [
+    (("tree", "v", 0), {"t": "replica", "r": 0, "e": 0}),
+    (("tree", "v", 0), {"t": "replica", "r": 0, "v": None}),
+    (("tree", "v", 0), {"t": "replica", "r": 0, "extra": 1}),
+    (("tree", "v", 0), {"t": "replica"}),
+    (("tree", "v", 0), {"t": "replica", "r": -1}),
+    (("tree", "v", 0), {"t": "replica", "r": 2**20}),
+    (("tree", "v", 0), {"t": "replica", "r": "0"}),
+    (("tree", "v", 0), {"t": "replica", "r": True}),
+    (("tree", "v", 0), _replica_below("dict")),
+    (("tree", "v", 0), _replica_below("list")),
+    (("tree", "v", 0), _replica_below("tuple")),
+    (("tree", "v", 0), _replica_below("stateful")),
+    (("tree",), {"t": "replica", "r": 0}),
+    (("replicated",), _DELETE),
+    (("replicated",), "model"),
+    (("replicated",), [["s", "model"], ["i", "3"], ["s", "model"]]),
+    (("replicated", 0), ["x", "model"]),
+    (("replicated", 0), ["s"]),
+    (("replicated", 1), ["i", "three"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "value"), BAD_MULTIRANK, ids=[f"{'.'.join(map(str, p))}={v!r}"[:60] for p, v in BAD_MULTIRANK]
+)
+def test_schema_and_parser_reject_invalid_multi_rank_manifests(
+    validators: dict[str, Any], path: tuple[Any, ...], value: object
+) -> None:
+    doc = _mutated(_multirank_doc(), path, value)
+    assert _errors(validators["manifest"], doc) != []
+    with pytest.raises(CheckpointCorruptedError):
+        decode_manifest(json.dumps(doc).encode(), "x")
+
+
+def test_schema_describes_what_writers_write_for_replicated(validators: dict[str, Any]) -> None:
+    doc = _multirank_doc()
+    assert _errors(validators["manifest"], doc) == []
+    # Writers omit an empty list; readers take `[]` as absent (valid without replicas).
+    owner = json.loads(_writer_parts([_job_rank_state(0)], (), 42)[0][0])
+    assert "replicated" not in owner
+    owner["replicated"] = []
+    assert _errors(validators["manifest"], owner) != []
+    assert decode_manifest(json.dumps(owner).encode(), "x").replicated == ()
+    # A replica node's extra field is rejected; other nodes' unknown fields are not.
+    extra = _mutated(doc, ("tree", "v", 0, "note"), "x")
+    assert _errors(validators["manifest"], extra) != []
+    tolerant = _mutated(doc, ("tree", "v", 3, "note"), "x")
+    assert tolerant["tree"]["v"][3]["t"] == "tensor"
+    assert _errors(validators["manifest"], tolerant) == []
+    decode_manifest(json.dumps(tolerant).encode(), "x")

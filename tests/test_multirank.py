@@ -268,3 +268,14 @@ def test_fsdp2_sharded_state_round_trip_and_no_resharding(tmp_path: Path) -> Non
     ck = tiercheck.Checkpointer(remote=f"file://{tmp_path}/remote")
     with ck, pytest.raises(tiercheck.StateMismatchError, match=r"saved by 2 ranks.*resharding"):
         ck.restore({"model": model})
+
+
+def test_node_local_tier1_without_tier2_keeps_a_replicated_copy_per_node(tmp_path: Path) -> None:
+    # No shared tier: a replicated key written by one rank only could never be read back on
+    # the other node, so each directory's leader writes it.
+    results, _ = run_job("roundtrip", 2, tmp_path, env={"MR_NO_REMOTE": "1"})
+    for rank, res in enumerate(results):
+        assert res is not None and res["restored_step"] == 30 and res["restored"] == res["saved"]
+        assert not res["warnings"], res["warnings"]
+        m = json.loads((tmp_path / f"node{rank}" / "step-000000000030" / layout.manifest_name(rank, 2)).read_text())
+        assert [v["t"] for v in m["tree"]["v"][:2]] == ["stateful", "stateful"]  # model, optimizer held here

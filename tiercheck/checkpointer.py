@@ -284,8 +284,15 @@ class Checkpointer:
         every rank (it depends only on the keys and their sizes)."""
         if self._owners is not None and self._owners[0] == tuple(keys):
             return self._owners[1]
+        group = self._group
+        local = None if self._local is None else self._local.name
+        remote = None if self._remote is None else self._remote.name
         if self.world_size == 1:
             owners = dict.fromkeys(keys, 0)
+        elif group is not None and local is not None and group.copy_per_directory(local, remote):
+            # Node-local tier 1 and no tier 2: each node's leader keeps a full copy, or ranks on
+            # other nodes could never read the replicated keys back.
+            owners = dict.fromkeys(keys, group.leader[local])
         elif self._replicated_writer != "balance":
             owners = dict.fromkeys(keys, int(self._replicated_writer))
         else:

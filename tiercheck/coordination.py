@@ -166,15 +166,14 @@ class Coordinator:
         self._op(lambda s: s.add(f"{base}n", 1))
 
     def decide(self, step: int, tier: str, build_marker: Callable[[list[dict[str, Any]]], bytes]) -> bytes:
-        """Rank 0: wait for every rank's report, then publish the verdict (the marker bytes)
-        or the reason the step fails; return the marker or raise CoordinationError."""
+        """Rank 0: wait for every rank's report, then publish the marker (for the leaders)
+        and the verdict (for everyone); return the marker or raise CoordinationError."""
         assert self.rank == 0
         base = self._base(step, tier)
         deadline = time.monotonic() + self.timeout
         try:
-            self._poll(
-                lambda: self._count(f"{base}n") >= self.world_size, deadline, f"every rank's part of step {step}"
-            )
+            what = f"every rank's part of step {step}"
+            self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, what)
         except CoordinationError:
             missing = [r for r in range(self.world_size) if not self._has(f"{base}part/{r}")]
             return self._fail(base, f"ranks {_ranges(missing)} did not report their part within {self.timeout:.0f}s")
@@ -190,12 +189,15 @@ class Coordinator:
             marker = build_marker([d["manifest"] for d in docs])
         except Exception as exc:
             return self._fail(base, f"cannot build the commit marker: {exc!r}")
-        self._op(lambda s: s.set(f"{base}verdict", b"ok\n" + marker))
+        # The marker (~100 bytes per rank) goes to a key of its own: only the leaders read it;
+        # every other rank reads the two-byte verdict.
+        self._op(lambda s: s.set(f"{base}marker", marker))
+        self._op(lambda s: s.set(f"{base}verdict", b"ok"))
         return marker
 
     def _fail(self, base: str, reason: str) -> bytes:
         self._op(lambda s: s.set(f"{base}verdict", b"fail\n" + reason.encode()))
-        raise CoordinationError(reason)
+        raise CoordinationError(reason, settled=True)
 
     def abandon(self, step: int, tier: str, reason: str) -> None:
         """This rank's part failed: report it and, on rank 0, fail the step at once, so no
@@ -206,15 +208,21 @@ class Coordinator:
             self._op(lambda s: s.set(f"{base}verdict", b"fail\n" + f"rank 0 failed its part: {reason}".encode()))
         self.acknowledge(step, tier)
 
-    def verdict(self, step: int, tier: str) -> bytes:
-        """Wait for rank 0's verdict: the marker bytes, or CoordinationError with the reason."""
+    def verdict(self, step: int, tier: str, want_marker: bool) -> bytes:
+        """Wait for rank 0's verdict; return the marker bytes if `want_marker` (a leader).
+
+        Raises:
+            CoordinationError: the step failed (`settled`: rank 0 said so, remove your part),
+                or no verdict came within twice the timeout (not settled: rank 0 may still
+                commit the step, so a part already in place must stay).
+        """
         base = self._base(step, tier)
         deadline = time.monotonic() + 2 * self.timeout  # rank 0 itself waits up to `timeout`
         self._poll(lambda: self._has(f"{base}verdict"), deadline, f"rank 0's verdict on step {step}")
-        kind, _, body = self._get(f"{base}verdict").partition(b"\n")
+        kind, _, why = self._get(f"{base}verdict").partition(b"\n")
         if kind != b"ok":
-            raise CoordinationError(body.decode(errors="replace"))
-        return body
+            raise CoordinationError(why.decode(errors="replace"), settled=True)
+        return self._get(f"{base}marker") if want_marker else b""
 
     def marked(self, step: int, tier: str, error: str | None = None) -> None:
         """Leader: the marker is written in this rank's directory (or could not be)."""
@@ -232,12 +240,20 @@ class Coordinator:
             raise CoordinationError(f"rank {leader} could not write the commit marker: {why.decode(errors='replace')}")
 
     def acknowledge(self, step: int, tier: str, leaders: Sequence[int] = ()) -> None:
-        """Done with `step` on `tier`; the last rank to say so deletes the step's keys."""
+        """Done with `step` on `tier`; the last rank to say so deletes the step's keys: the few
+        shared ones, plus every rank's report only if the step failed (a committed step's
+        reports were deleted by their ranks as soon as the verdict was out)."""
         base = self._base(step, tier)
-        if self._op(lambda s: s.add(f"{base}ack", 1)) >= self.world_size:
-            keys = [f"{base}part/{r}" for r in range(self.world_size)]
-            keys += [f"{base}marked/{r}" for r in leaders]
-            self._delete([*keys, f"{base}n", f"{base}verdict", f"{base}ack"])
+        if self._op(lambda s: s.add(f"{base}ack", 1)) < self.world_size:
+            return
+        keys = [f"{base}marked/{r}" for r in leaders] + [f"{base}{k}" for k in ("n", "marker", "verdict", "ack")]
+        if not self._has(f"{base}verdict") or self._get(f"{base}verdict") != b"ok":
+            keys += [f"{base}part/{r}" for r in range(self.world_size)]
+        self._delete(keys)
+
+    def forget_part(self, step: int, tier: str) -> None:
+        """After an "ok" verdict: rank 0 has read this rank's report; delete it."""
+        self._delete([f"{self._base(step, tier)}part/{self.rank}"])
 
     # -- restore agreement -------------------------------------------------------------
 
@@ -275,23 +291,23 @@ class Coordinator:
 
     def agree_outcome(self, index: int, ok: bool, reason: str = "", fatal: bool = False) -> tuple[bool, str, bool]:
         """After trying candidate `index`: did every rank succeed? Returns (everyone ok, the
-        first failure, whether some rank gave up on the restore altogether)."""
+        failures, whether some rank gave up on the restore altogether). Failing ranks append
+        to one key, so reading the reasons costs one call whatever the job's size."""
         base = f"g{self.generation}/restore/r{index}/"
         if not ok:
-            self._op(lambda s: s.set(f"{base}why/{self.rank}", ("!" if fatal else "-") + reason[:2000]))
-            self._op(lambda s: s.add(f"{base}bad", 1))
+            line = json.dumps([self.rank, bool(fatal), reason[:500]]) + "\n"
+            self._op(functools.partial(_append, key=f"{base}why", value=line))
         self._op(lambda s: s.add(f"{base}n", 1))
         deadline = time.monotonic() + self.timeout
         self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, "every rank to read the step")
-        if self._count(f"{base}bad") == 0:
+        if not self._has(f"{base}why"):
             return True, "", False
-        first, stop = "", False
-        for r in range(self.world_size):
-            if self._has(f"{base}why/{r}"):
-                why = self._get(f"{base}why/{r}").decode(errors="replace")
-                first = first or f"rank {r}: {why[1:]}"
-                stop = stop or why.startswith("!")
-        return False, first, stop
+        reports = [json.loads(x) for x in self._get(f"{base}why").decode(errors="replace").splitlines() if x]
+        reports.sort()
+        first = "; ".join(f"rank {r}: {why}" for r, _, why in reports[:3])
+        if len(reports) > 3:
+            first += f" (and {len(reports) - 3} more ranks)"
+        return False, first, any(fatal for _, fatal, _ in reports)
 
 
 def _delete_key(store: Any, key: str) -> None:
@@ -344,6 +360,12 @@ class Group:
 
     def leads(self, tier: str) -> bool:
         return self.leader[tier] == self.coord.rank
+
+    def copy_per_directory(self, local: str | None, remote: str | None) -> bool:
+        """True when replicated keys must be written once per tier-1 directory instead of once
+        per job: tier 1 is node-local (several directories) and no shared tier 2 exists from
+        which ranks on other nodes could read them."""
+        return local is not None and remote is None and len(self.leaders.get(local, ())) > 1
 
 
 def join_group(store: Any, rank: int, world_size: int, timeout: float, local: Any, remote: Any) -> Group:

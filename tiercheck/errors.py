@@ -41,7 +41,16 @@ class StepConflictError(TiercheckError, FileExistsError):
 
 class CoordinationError(TiercheckError, TimeoutError):
     """The ranks of a job could not agree: another rank did not answer within
-    `coordination_timeout`, or reported a failure (the message names the rank)."""
+    `coordination_timeout`, or reported a failure (the message names the rank).
+
+    Attributes:
+        settled: True when rank 0 decided the step failed; False for a timeout, after which
+            rank 0 may still commit the step.
+    """
+
+    def __init__(self, message: str, *, settled: bool = False) -> None:
+        super().__init__(message)
+        self.settled = settled
 
 
 class UploadSkippedError(TiercheckError):

@@ -285,11 +285,12 @@ def _replicated_keys(
     for k in keys:
         if k not in root_keys:
             raise _fail(where, f"replicated key {list(k)!r} is not a top-level key of the tree")
+    listed = set(keys)
     for k, v in zip(tree["k"], tree["v"], strict=True):
         if v["t"] != "replica":
             continue
         r = v.get("r")
-        if (k[0], k[1]) not in keys or type(r) is not int or not 0 <= r < world or r == rank or len(v) != 2:
+        if (k[0], k[1]) not in listed or type(r) is not int or not 0 <= r < world or r == rank or len(v) != 2:
             raise _fail(where, f"bad replica node at key {k!r}")
     return tuple(keys)
 
@@ -427,6 +428,8 @@ def replica_owners(m: Manifest) -> list[tuple[tuple[str, str], int]]:
     return [(k, nodes[k]["r"] if nodes[k]["t"] == "replica" else m.rank) for k in m.replicated]
 
 
-def assignment_digest(m: Manifest) -> str:
-    """Equal on every rank of a step exactly when they agree on who writes which replicated key."""
-    return json.dumps(replica_owners(m), separators=(",", ":"))
+def assignment_digest(m: Manifest, with_owners: bool = True) -> str:
+    """Equal on every rank of a step exactly when they agree on who writes which replicated key
+    (without owners: only on which keys are replicated, when each directory has its own copy)."""
+    owners = replica_owners(m) if with_owners else [(k, -1) for k in m.replicated]
+    return json.dumps(owners, separators=(",", ":"))

@@ -177,6 +177,9 @@ class Pipeline:
         self._keep = {"local": keep_local, "remote": keep_remote}
         self._backlog = upload_backlog
         self._group = group
+        self._owners_differ = group is not None and group.copy_per_directory(
+            local.name if local else None, remote.name if remote else None
+        )
         self._checksum_name = checksum
         self._checksum = checksum_function(checksum)
         self._lock = threading.Lock()
@@ -331,13 +334,12 @@ class Pipeline:
                 coord.rank, {"name": ref.file, "length": ref.length, "checksum": ref.checksum}, None, assignment
             ),
         )
-        decided = False
         try:
             if coord.rank == 0:
                 body = coord.decide(step, tier.name, lambda refs: _job_marker(marker, refs))
             else:
-                body = coord.verdict(step, tier.name)
-            decided = True
+                body = coord.verdict(step, tier.name, want_marker=group.leads(tier.name))
+            coord.forget_part(step, tier.name)
             if group.leads(tier.name):
                 try:
                     tier.write_marker(step, body)
@@ -347,10 +349,10 @@ class Pipeline:
                 coord.marked(step, tier.name)
             else:
                 coord.wait_marked(step, tier.name, group.leader[tier.name])
-        except CoordinationError:
-            if not decided:  # the step will never commit: take our part back
+        except CoordinationError as exc:
+            if exc.settled:  # the step will never commit: take our part back
                 writer.abort()
-            raise
+            raise  # (unsettled: rank 0 may still commit; a stray part is pruned later)
         finally:
             try:
                 coord.acknowledge(step, tier.name, group.leaders[tier.name])
@@ -532,7 +534,7 @@ class Pipeline:
                     ref.file, len(manifest_bytes), checksum_function(marker.checksum_algorithm)(manifest_bytes)
                 )
             writer.write_file(ref.file, memoryview(manifest_bytes))
-            self._commit(dst, writer, step, ref, marker, assignment_digest(manifest))
+            self._commit(dst, writer, step, ref, marker, assignment_digest(manifest, not self._owners_differ))
         except BaseException:
             writer.abort()
             raise
@@ -573,7 +575,7 @@ class Pipeline:
             writer.write_file(mname, memoryview(manifest))
             ref = ManifestRef(mname, len(manifest), self._checksum(manifest))
             marker = Marker(job.step, job.world_size, self._checksum_name, ())
-            self._commit(tier, writer, job.step, ref, marker, assignment_digest(doc))
+            self._commit(tier, writer, job.step, ref, marker, assignment_digest(doc, not self._owners_differ))
         except BaseException:
             for f in futures:
                 if not isinstance(f, str):

@@ -21,11 +21,11 @@ from .checksum import ALGORITHMS, checksum_function, checksum_stream
 from .coordination import Coordinator
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
-from .manifest import Entry, Manifest, Marker, decode_key, decode_manifest, decode_marker
+from .manifest import Entry, Manifest, Marker, ShardFile, decode_key, decode_manifest, decode_marker
 from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
 
-MAX_MARKER_BYTES = 1 << 20
+MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
 MAX_MANIFEST_BYTES = 1 << 30
 
 Producer = Callable[[], object]
@@ -391,25 +391,35 @@ def prepare_step(
         tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)
     binder = _Binder(manifest, step)
     manifests = {manifest.rank: manifest}
+    owned: dict[int, tuple[_Binder, dict[tuple[str, ...], JsonNode], set[tuple[str, str]]]] = {}
     for k, node in zip(tree["k"], tree["v"], strict=True):
         if node["t"] != "replica" or (isinstance(template, Mapping) and decode_key(k) not in template and strict):
             continue
-        owner = manifests.get(node["r"])
-        if owner is None:
+        if node["r"] not in owned:  # each owner's manifest read and indexed once
             owner = manifests[node["r"]] = read_manifest(tier, step, node["r"], marker)
-        target = dict(zip(map(tuple, owner.tree["k"]), owner.tree["v"], strict=True)).get(tuple(k))
-        if target is None or target["t"] == "replica" or tuple(k) not in owner.replicated:
+            index = dict(zip(map(tuple, owner.tree["k"]), owner.tree["v"], strict=True))
+            owned[node["r"]] = (_Binder(owner, step, binder), index, set(owner.replicated))
+        sub, index, replicated = owned[node["r"]]
+        owner = manifests[node["r"]]
+        target = index.get(tuple(k))
+        if target is None or target["t"] == "replica" or tuple(k) not in replicated:
             raise CheckpointCorruptedError(
                 f"{tier.path_of(step, layout.manifest_name(owner.rank, owner.world_size))}: "
                 f"does not hold the replicated key {decode_key(k)!r} that rank {manifest.rank} refers to"
             )
-        binder.replicas[id(node)] = (_Binder(owner, step, binder), target)
+        binder.replicas[id(node)] = (sub, target)
     files: dict[str, ReadableFile] = {}
     try:
         # Sizes first: the manifest's regions are validated against the sizes it declares,
         # so once those match the real files, nothing below allocates more than they hold.
+        listed: dict[str, ShardFile] = {}
         for sf in (sf for m in manifests.values() for sf in m.files):
             path = tier.path_of(step, sf.name)
+            if sf.name in listed:  # two manifests of the step name one file: open it once
+                if listed[sf.name] != sf:
+                    raise CheckpointCorruptedError(f"{path}: manifests of step {step} disagree on this file's size")
+                continue
+            listed[sf.name] = sf
             try:
                 f = tier.open_file(step, sf.name)
             except FileNotFoundError:
@@ -641,7 +651,16 @@ def restore_collective(
             mine = local.committed_steps()
         except OSError as exc:
             warnings.warn(f"tiercheck: cannot list tier {local.name!r}: {exc!r}", RuntimeWarning, stacklevel=3)
-    shared = remote.committed_steps if remote is not None else list
+
+    def shared() -> list[int]:  # rank 0 only
+        if remote is None:
+            return []
+        try:
+            return remote.committed_steps()
+        except Exception as exc:  # tier 2 down: what every rank's tier 1 holds may still do
+            warnings.warn(f"tiercheck: cannot list tier {remote.name!r}: {exc!r}", RuntimeWarning, stacklevel=4)
+            return []
+
     candidates = coord.agree_candidates(mine, shared, step)
     if not candidates:
         if step is not None:
