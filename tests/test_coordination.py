@@ -94,6 +94,7 @@ def test_a_failed_part_fails_the_step_at_once_for_everyone(store: Any) -> None:
     assert time.monotonic() - t0 < 5  # not the 30 s timeout
     for r in results[:2]:
         assert isinstance(r, CoordinationError) and "rank 2 failed its part: disk full at /x" in str(r)
+        assert r.settled  # rank 0 decided: the step will never commit
 
 
 def test_ranks_that_disagree_on_replicated_owners_do_not_commit(store: Any) -> None:
@@ -108,6 +109,7 @@ def test_rank_0_dead_others_give_up_within_twice_the_timeout(store: Any) -> None
     t0 = time.monotonic()
     (result,) = run_ranks([commit_fn(cs[1], 3)])
     assert isinstance(result, CoordinationError) and "verdict" in str(result)
+    assert not result.settled  # rank 0 might still commit: the rank's part must stay
     assert time.monotonic() - t0 < 3
 
 

@@ -349,10 +349,6 @@ class Pipeline:
                 coord.marked(step, tier.name)
             else:
                 coord.wait_marked(step, tier.name, group.leader[tier.name])
-        except CoordinationError as exc:
-            if exc.settled:  # the step will never commit: take our part back
-                writer.abort()
-            raise  # (unsettled: rank 0 may still commit; a stray part is pruned later)
         finally:
             try:
                 coord.acknowledge(step, tier.name, group.leaders[tier.name])
@@ -535,8 +531,9 @@ class Pipeline:
                 )
             writer.write_file(ref.file, memoryview(manifest_bytes))
             self._commit(dst, writer, step, ref, marker, assignment_digest(manifest, not self._owners_differ))
-        except BaseException:
-            writer.abort()
+        except BaseException as exc:
+            if not _part_may_commit(exc):
+                writer.abort()
             raise
 
     # -- shared ------------------------------------------------------------------------
@@ -576,11 +573,12 @@ class Pipeline:
             ref = ManifestRef(mname, len(manifest), self._checksum(manifest))
             marker = Marker(job.step, job.world_size, self._checksum_name, ())
             self._commit(tier, writer, job.step, ref, marker, assignment_digest(doc, not self._owners_differ))
-        except BaseException:
+        except BaseException as exc:
             for f in futures:
                 if not isinstance(f, str):
                     f.cancel()
-            writer.abort()
+            if not _part_may_commit(exc):
+                writer.abort()
             raise
 
     def _staged_checksum(self, job: StagedSave, off: int, nbytes: int) -> str:
@@ -614,6 +612,12 @@ class Pipeline:
         except Exception as exc:
             return tier_error(exc, newest, tier, "applying retention after")
         return None
+
+
+def _part_may_commit(exc: BaseException) -> bool:
+    """A rank gave up waiting for the others, but rank 0 may still commit the step with this
+    rank's part in it: the part must stay (if the step never commits, retention removes it)."""
+    return isinstance(exc, CoordinationError) and not exc.settled
 
 
 def _job_marker(marker: Marker, refs: list[dict[str, object]]) -> bytes:
