@@ -528,7 +528,7 @@ def _writer_parts(
         ck._replicated_writer = "balance"
         ck._owners = None
         ck._group, ck._local, ck._remote = None, None, None
-        flat, keys = ck._flatten(state)
+        flat, keys, _ = ck._flatten(state)
         plan = plan_shard(flat.leaves)
         sums = []
         for leaf, src in zip(flat.leaves, flat.sources, strict=True):

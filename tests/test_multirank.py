@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -114,9 +115,13 @@ def test_replicated_keys_are_written_once(tmp_path: Path) -> None:
                 owners[k[1]].append(r)
             elif k[1] in owners:
                 assert v == {"t": "replica", "r": v["r"]} and v["r"] != r
-    # Each replicated key is stored by exactly one rank; "balance" spreads them over both.
+    # Tier 2 holds each replicated key once. With node-local tier 1 (one directory per rank
+    # here) every directory keeps its own copy and the ranks of rank 0's directory upload.
     assert sorted(len(v) for v in owners.values()) == [1, 1]
-    assert {v[0] for v in owners.values()} == {0, 1}
+    assert {v[0] for v in owners.values()} == {0}
+    for r in range(world):
+        tier1 = json.loads((tmp_path / f"node{r}" / "step-000000000030" / layout.manifest_name(r, world)).read_text())
+        assert [v["t"] for v in tier1["tree"]["v"][:2]] == ["stateful", "stateful"]  # a full copy per node
     # The replicated bytes on tier 2 add up to one copy of model + optimizer, not one per rank.
     state = make_state(0)
     train(state, 1)
@@ -279,3 +284,19 @@ def test_node_local_tier1_without_tier2_keeps_a_replicated_copy_per_node(tmp_pat
         assert not res["warnings"], res["warnings"]
         m = json.loads((tmp_path / f"node{rank}" / "step-000000000030" / layout.manifest_name(rank, 2)).read_text())
         assert [v["t"] for v in m["tree"]["v"][:2]] == ["stateful", "stateful"]  # model, optimizer held here
+    # A job of another size on the second node restores the replicated keys from its own disk.
+    state = make_state(0, seed=4)
+    zero(state)
+    with tiercheck.Checkpointer(local=tmp_path / "node1") as ck:
+        assert ck.restore({"model": state["model"]}) == 30
+    assert digest(state["model"]) != digest(make_state(0, seed=4)["model"])
+
+
+def test_newest_step_only_on_node_local_tier1_restores_from_tier1(tmp_path: Path) -> None:
+    # Tier 2 has not got step 30 yet (an upload still running when the job died): every node
+    # holds its own full copy on tier 1, so no rank needs tier 2 for it.
+    run_job("roundtrip", 2, tmp_path)
+    shutil.rmtree(tmp_path / "remote" / "step-000000000030")
+    restored, _ = run_job("restore_only", 2, tmp_path, env={"MR_KEYS": "model,optimizer,shard,rng,position"})
+    for res in restored:
+        assert res is not None and res["restored_step"] == 30 and not res["warnings"], res

@@ -28,6 +28,7 @@ from .handle import DrainReport, SaveHandle, WaitTimeoutError
 from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
 from .restore import restore_collective, restore_from
+from .retarget import Key
 from .retention import RetentionPolicy, as_policy
 from .retry import RetryPolicy
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
@@ -100,7 +101,10 @@ class Checkpointer:
             one rank only, and can be restored by a job with a different number of ranks.
             Other keys are per rank (sharded state, data-loader position, RNG).
         replicated_writer: which rank writes each replicated key: "balance" (default: keys
-            spread over the ranks by size, largest first) or one rank's number.
+            spread over the ranks by size, largest first) or one rank's number. When tier 1 is
+            node-local (ranks do not all share one directory), every directory keeps its own
+            copy, balanced over the ranks sharing it, and tier 2 gets one copy, uploaded by the
+            ranks of rank 0's directory; a rank number is then not used.
         coordination_timeout: seconds a rank waits for the others at one point of a save or
             a restore before it gives up (the save then fails with a TierError; nothing
             hangs forever when a rank dies).
@@ -160,7 +164,7 @@ class Checkpointer:
                 f"replicated_writer must be 'balance' or a rank below {world_size}, got {replicated_writer!r}"
             )
         self._replicated_writer = replicated_writer
-        self._owners: tuple[tuple[object, ...], dict[object, int]] | None = None
+        self._owners: tuple[tuple[object, ...], dict[object, int], dict[object, int]] | None = None
         keep_l = as_policy(keep_local, "keep_local")
         keep_r = as_policy(keep_remote, "keep_remote")
         self._local = (
@@ -253,18 +257,20 @@ class Checkpointer:
         buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
         self._pool.release(buf)
 
-    def _flatten(self, state: Mapping[Any, Any]) -> tuple[FlatState, tuple[tuple[str, str], ...]]:
+    def _flatten(self, state: Mapping[Any, Any]) -> tuple[FlatState, tuple[Key, ...], tuple[tuple[Key, int], ...]]:
         """Flatten the part of `state` this rank writes: everything but the replicated keys
-        another rank writes, which become `replica` references in the tree."""
+        another rank writes, which become `replica` references in the tree. Also returns the
+        replicated keys and, when tier 2 must get them from other ranks than tier 1 does (a
+        node-local tier 1), who uploads each."""
         if not self._replicated or not isinstance(state, Mapping):
-            return flatten_state(state), ()
+            return flatten_state(state), (), ()
         keys = list(state) if self._replicated is True else [k for k in state if k in self._replicated]
         if self._replicated is not True:
             missing = [k for k in self._replicated if k not in state]
             if missing:
                 raise UnsupportedStateError(f"replicated keys {missing!r} are not in the state (keys: {list(state)!r})")
         encoded = {k: _encode_key(k) for k in keys}
-        owners = self._owners_of(state, keys)
+        owners, uploaders = self._owners_of(state, keys)
         flat = flatten_state({k: v for k, v in state.items() if owners.get(k, self.rank) == self.rank})
         mine = iter(zip(flat.tree["k"], flat.tree["v"], strict=True))
         tree_k: list[list[str]] = []
@@ -277,36 +283,38 @@ class Checkpointer:
             tree_k.append(ek)
             tree_v.append(node)
         tree = {"t": "dict", "k": tree_k, "v": tree_v}
-        return dataclasses.replace(flat, tree=tree), tuple((e[0], e[1]) for e in encoded.values())
+        replicated = tuple((e[0], e[1]) for e in encoded.values())
+        remote_owners = tuple(((encoded[k][0], encoded[k][1]), r) for k, r in uploaders.items())
+        return dataclasses.replace(flat, tree=tree), replicated, remote_owners
 
-    def _owners_of(self, state: Mapping[Any, Any], keys: list[Any]) -> dict[object, int]:
-        """Which rank writes each replicated key; computed once per set of keys, the same on
-        every rank (it depends only on the keys and their sizes)."""
+    def _owners_of(self, state: Mapping[Any, Any], keys: list[Any]) -> tuple[dict[object, int], dict[object, int]]:
+        """Which rank writes each replicated key to tier 1, and (if it differs) which rank
+        uploads it to tier 2; computed once per set of keys, the same on every rank of a
+        directory (it depends only on the keys, their sizes and the job's layout)."""
         if self._owners is not None and self._owners[0] == tuple(keys):
-            return self._owners[1]
+            return self._owners[1], self._owners[2]
         group = self._group
-        local = None if self._local is None else self._local.name
-        remote = None if self._remote is None else self._remote.name
+        uploaders: dict[object, int] = {}
+
+        def sizes() -> dict[object, int]:
+            return {k: _nbytes(flatten_state({k: state[k]})) for k in keys}
+
         if self.world_size == 1:
             owners = dict.fromkeys(keys, 0)
-        elif group is not None and local is not None and group.copy_per_directory(local, remote):
-            # Node-local tier 1 and no tier 2: each node's leader keeps a full copy, or ranks on
-            # other nodes could never read the replicated keys back.
-            owners = dict.fromkeys(keys, group.leader[local])
+        elif group is not None and group.node_local:
+            # Each tier-1 directory (node) keeps a full copy, spread over the ranks sharing it,
+            # so every node restores from its own disk; tier 2 gets one copy, uploaded by the
+            # ranks of rank 0's directory.
+            nbytes = sizes()
+            owners = _balance(keys, nbytes, group.members)
+            if self._remote is not None:
+                uploaders = _balance(keys, nbytes, group.first_members)
         elif self._replicated_writer != "balance":
             owners = dict.fromkeys(keys, int(self._replicated_writer))
         else:
-            sizes = {
-                k: sum(lf.nbytes for lf in flatten_state({k: state[k]}).leaves if lf.alias_of is None) for k in keys
-            }
-            load = [0] * self.world_size
-            owners = {}
-            for k in sorted(keys, key=lambda k: (-sizes[k], repr(_encode_key(k)))):
-                r = min(range(self.world_size), key=lambda r: (load[r], r))
-                owners[k] = r
-                load[r] += sizes[k]
-        self._owners = (tuple(keys), owners)
-        return owners
+            owners = _balance(keys, sizes(), range(self.world_size))
+        self._owners = (tuple(keys), owners, uploaders)
+        return owners, uploaders
 
     def _plan_for(self, flat: FlatState) -> ShardPlan:
         sig = flat.signature
@@ -349,7 +357,7 @@ class Checkpointer:
             submitted = False  # from then on the pipeline reports this step's fate to the other ranks
             try:
                 self._raise_background_errors()
-                flat, replicated = self._flatten(state)
+                flat, replicated, remote_owners = self._flatten(state)
                 self._claim_step(step)
                 plan = self._plan_for(flat)
                 handle = SaveHandle(step, [t.name for t in self._tiers], self._pipeline.error_seen)
@@ -370,6 +378,7 @@ class Checkpointer:
                     handle=handle,
                     progress=None if overlapped else StageProgress(),
                     replicated=replicated,
+                    remote_owners=remote_owners,
                 )
                 if overlapped:
                     try:
@@ -613,6 +622,18 @@ class Checkpointer:
             self._seen_at_restore = found.committed
             self._latest_known = None  # re-derived at the next save
             return found.step
+
+
+def _balance(keys: list[Any], nbytes: Mapping[object, int], ranks: Iterable[int]) -> dict[object, int]:
+    """Spread `keys` over `ranks`, largest first, each to the least loaded rank (ties: the
+    lowest rank). Deterministic: every rank computes the same answer."""
+    load = dict.fromkeys(ranks, 0)
+    owners: dict[object, int] = {}
+    for k in sorted(keys, key=lambda k: (-nbytes[k], repr(_encode_key(k)))):
+        r = min(load, key=lambda r: (load[r], r))
+        owners[k] = r
+        load[r] += nbytes[k]
+    return owners
 
 
 def _nbytes(flat: FlatState) -> int:

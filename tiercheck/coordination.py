@@ -353,6 +353,8 @@ class Group:
     coord: Coordinator
     leader: dict[str, int]  # per tier: the rank that writes markers and prunes in my directory
     leaders: dict[str, tuple[int, ...]]  # per tier: every leader (one per distinct directory)
+    members: tuple[int, ...] = ()  # the ranks sharing my tier-1 directory (me included)
+    first_members: tuple[int, ...] = ()  # the ranks sharing rank 0's tier-1 directory
 
     @property
     def rank(self) -> int:
@@ -361,21 +363,29 @@ class Group:
     def leads(self, tier: str) -> bool:
         return self.leader[tier] == self.coord.rank
 
-    def copy_per_directory(self, local: str | None, remote: str | None) -> bool:
-        """True when replicated keys must be written once per tier-1 directory instead of once
-        per job: tier 1 is node-local (several directories) and no shared tier 2 exists from
-        which ranks on other nodes could read them."""
-        return local is not None and remote is None and len(self.leaders.get(local, ())) > 1
+    @property
+    def node_local(self) -> bool:
+        """Tier 1 is not one shared directory: each node (or rank) has its own. Replicated
+        keys are then written once per directory, so every node can restore from its own
+        tier 1, and uploaded once, from rank 0's directory."""
+        return len(self.leaders.get("local", ())) > 1
+
+
+def _rank_list(data: bytes) -> tuple[int, ...]:
+    return tuple(sorted(int(r) for r in data.decode().split(",") if r))
 
 
 def join_group(store: Any, rank: int, world_size: int, timeout: float, local: Any, remote: Any) -> Group:
     """Set up this rank's side of the protocol (collective: every rank calls it once per
     Checkpointer, in the same order): elect one leader per tier-1 directory, learn every
-    leader, and wait until all ranks are there."""
+    leader and the ranks sharing this rank's directory, and wait until all ranks are there."""
     coord = Coordinator(store, rank, world_size, instance_prefix(), timeout)
     leader: dict[str, int] = {}
+    identity = ""
     if local is not None:
-        leader[local.name] = coord.elect(local.name, node_identity(local.root))
+        identity = node_identity(local.root)
+        leader[local.name] = coord.elect(local.name, identity)
+        coord._op(functools.partial(_append, key=f"members/{identity}", value=f"{rank},"))
     if remote is not None:
         leader[remote.name] = 0  # shared by every rank: rank 0 commits and prunes it
     for tier, who in leader.items():
@@ -384,7 +394,13 @@ def join_group(store: Any, rank: int, world_size: int, timeout: float, local: An
     coord._op(lambda s: s.add("joined", 1))
     deadline = time.monotonic() + timeout
     coord._poll(lambda: coord._count("joined") >= world_size, deadline, "every rank to create its Checkpointer")
-    leaders = {
-        tier: tuple(sorted(int(r) for r in coord._get(f"leaders/{tier}").decode().split(",") if r)) for tier in leader
-    }
-    return Group(coord, leader, leaders)
+    leaders = {tier: _rank_list(coord._get(f"leaders/{tier}")) for tier in leader}
+    members: tuple[int, ...] = ()
+    first: tuple[int, ...] = ()
+    if local is not None:
+        members = _rank_list(coord._get(f"members/{identity}"))
+        if rank == 0:
+            coord._op(lambda s: s.set("first_members", ",".join(map(str, members))))
+        coord._poll(lambda: coord._has("first_members"), deadline, "rank 0's directory")
+        first = _rank_list(coord._get("first_members"))
+    return Group(coord, leader, leaders, members, first)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 from collections import deque
@@ -46,6 +47,7 @@ from .manifest import (
 from .planner import ShardPlan
 from .priority import lower_current_thread
 from .restore import verify_files
+from .retarget import Key, Retargeted, region_chunks, retarget
 from .retention import KeepAll, RetentionPolicy, plan_deletions
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
 from .state import FlatState, JsonNode, Leaf
@@ -69,6 +71,8 @@ class StagedSave:
     handle: SaveHandle
     progress: StageProgress | None = None  # set when the writer may start before the copy ends
     replicated: tuple[tuple[str, str], ...] = ()  # top-level keys the same on every rank
+    # Node-local tier 1: who uploads each replicated key to tier 2 (empty: as on tier 1).
+    remote_owners: tuple[tuple[Key, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,7 @@ class _Upload:
     step: int
     rank: int
     handle: SaveHandle | None  # None: a catch-up upload of a step from an earlier run
+    remote_owners: tuple[tuple[Key, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +182,9 @@ class Pipeline:
         self._keep = {"local": keep_local, "remote": keep_remote}
         self._backlog = upload_backlog
         self._group = group
-        self._owners_differ = group is not None and group.copy_per_directory(
-            local.name if local else None, remote.name if remote else None
-        )
+        # Node-local tier 1: directories hold their own copies of replicated keys, so ranks
+        # agree there on which keys are replicated, not on who holds them.
+        self._owners_differ = group is not None and group.node_local
         self._checksum_name = checksum
         self._checksum = checksum_function(checksum)
         self._lock = threading.Lock()
@@ -339,16 +344,21 @@ class Pipeline:
                 body = coord.decide(step, tier.name, lambda refs: _job_marker(marker, refs))
             else:
                 body = coord.verdict(step, tier.name, want_marker=group.leads(tier.name))
-            coord.forget_part(step, tier.name)
-            if group.leads(tier.name):
-                try:
-                    tier.write_marker(step, body)
-                except Exception as exc:
-                    coord.marked(step, tier.name, f"{type(exc).__name__}: {exc}")
-                    raise
-                coord.marked(step, tier.name)
-            else:
-                coord.wait_marked(step, tier.name, group.leader[tier.name])
+            try:  # the verdict is "ok": from here on, this part is in a committed step
+                coord.forget_part(step, tier.name)
+                if group.leads(tier.name):
+                    try:
+                        tier.write_marker(step, body)
+                    except Exception as exc:
+                        coord.marked(step, tier.name, f"{type(exc).__name__}: {exc}")
+                        raise
+                    coord.marked(step, tier.name)
+                else:
+                    coord.wait_marked(step, tier.name, group.leader[tier.name])
+            except CoordinationError:
+                raise
+            except Exception as exc:  # keep the part: other directories' markers list it
+                raise CoordinationError(f"step {step} was committed, but: {type(exc).__name__}: {exc}") from exc
         finally:
             try:
                 coord.acknowledge(step, tier.name, group.leaders[tier.name])
@@ -375,7 +385,7 @@ class Pipeline:
         if error is None:
             self._pool.release(item.buffer)
             if self.remote is not None:
-                self._queue_upload(_Upload(item.step, item.rank, item.handle))
+                self._queue_upload(_Upload(item.step, item.rank, item.handle, item.remote_owners))
         elif self.remote is not None:
             # Tier 1 failed (disk full, say): the snapshot is still in host memory, so it
             # goes to tier 2 from there, and the step is not lost with the local disk.
@@ -435,7 +445,7 @@ class Pipeline:
         with self._lock:
             self._uploading = item.step
         try:
-            self._copy_from_local(item.step, item.rank)
+            self._copy_from_local(item.step, item.rank, dict(item.remote_owners))
         except Exception as exc:
             error = tier_error(exc, item.step, tier, "uploading")
         finally:
@@ -509,7 +519,7 @@ class Pipeline:
         logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", newest)
         self._uploader_put(_Upload(newest, 0, None))
 
-    def _copy_from_local(self, step: int, rank: int) -> None:
+    def _copy_from_local(self, step: int, rank: int, owners: dict[Key, int]) -> None:
         src, dst = self.local, self.remote
         assert src is not None and dst is not None
         marker_bytes = src.read_bytes(step, layout.COMMIT_NAME, MAX_META_BYTES)
@@ -518,19 +528,28 @@ class Pipeline:
         manifest_bytes = src.read_bytes(step, ref.file, ref.length)
         manifest = decode_manifest(manifest_bytes, src.path_of(step, ref.file))
         verify_files(src, step, manifest)  # never spread a copy that went bad on tier 1
+        moved = retarget(manifest, owners) if owners else None
         writer = dst.open_step(step, rank, shared=self._group is not None)
         try:
-            stored = [writer.write_from_path(f.name, src.path_of(step, f.name), compress=True) for f in manifest.files]
-            if dst.codec != "raw":  # the tier-2 copy records how its shards are stored
+            if moved is not None:  # replicated keys another rank uploads: left out, the rest packed
+                shard = manifest.files[0].name
+                manifest = moved.manifest
+                stored = [self._write_regions(writer, shard, _file_reader(src.path_of(step, shard)), moved)]
+            else:
+                stored = [
+                    writer.write_from_path(f.name, src.path_of(step, f.name), compress=True) for f in manifest.files
+                ]
+            if dst.codec != "raw" or moved is not None:  # the tier-2 copy records its own shards
+                stored_as = [n if dst.codec != "raw" else None for n in stored]
                 files = tuple(
-                    ShardFile(f.name, f.length, dst.codec, n) for f, n in zip(manifest.files, stored, strict=True)
+                    ShardFile(f.name, f.length, dst.codec, n) for f, n in zip(manifest.files, stored_as, strict=True)
                 )
                 manifest_bytes = encode_manifest(dataclasses.replace(manifest, files=files))
                 ref = ManifestRef(
                     ref.file, len(manifest_bytes), checksum_function(marker.checksum_algorithm)(manifest_bytes)
                 )
             writer.write_file(ref.file, memoryview(manifest_bytes))
-            self._commit(dst, writer, step, ref, marker, assignment_digest(manifest, not self._owners_differ))
+            self._commit(dst, writer, step, ref, marker, assignment_digest(manifest))
         except BaseException as exc:
             if not _part_may_commit(exc):
                 writer.abort()
@@ -549,30 +568,51 @@ class Pipeline:
                 futures.append(self._hasher.submit(self._staged_checksum, job, off, leaf.nbytes))
         ready = job.progress.wait if job.progress is not None else None
         writer = tier.open_step(job.step, job.rank, shared=self._group is not None)
-        try:
-            view = job.buffer.view(job.plan.total_bytes)
-            stored = writer.write_file(shard, view, job.buffer.aligned, compress=True, ready=ready)
-            compressed = tier.codec != "raw"
-            sums = [f if isinstance(f, str) else f.result() for f in futures]
-            for i, leaf in enumerate(job.leaves):
-                if leaf.alias_of is not None:
-                    sums[i] = sums[leaf.alias_of]
-            doc = Manifest(
+        # Tier 1 failed and this part goes to tier 2 from host memory: as a tier-1 upload
+        # would, leave out the replicated keys other ranks upload.
+        owners = dict(job.remote_owners) if tier is self.remote else {}
+
+        def manifest_with(sums: list[str]) -> Manifest:
+            return Manifest(
                 step=job.step,
                 rank=job.rank,
                 world_size=job.world_size,
                 checksum_algorithm=self._checksum_name,
-                files=(ShardFile(shard, job.plan.total_bytes, tier.codec, stored if compressed else None),),
+                files=(ShardFile(shard, job.plan.total_bytes),),
                 entries=build_entries(job.leaves, job.plan.offsets, sums, shard),
                 tree=job.tree,
                 replicated=job.replicated,
+            )
+
+        try:
+            view = job.buffer.view(job.plan.total_bytes)
+            moved = retarget(manifest_with([""] * len(job.leaves)), owners) if owners else None
+            if moved is None:
+                stored = writer.write_file(shard, view, job.buffer.aligned, compress=True, ready=ready)
+            else:
+                if ready is not None:
+                    ready(len(view))
+                stored = self._write_regions(writer, shard, lambda off, n: view[off : off + n], moved)
+            sums = [f if isinstance(f, str) else f.result() for f in futures]
+            for i, leaf in enumerate(job.leaves):
+                if leaf.alias_of is not None:
+                    sums[i] = sums[leaf.alias_of]
+            doc = manifest_with(sums)
+            if moved is not None:
+                again = retarget(doc, owners)
+                assert again is not None and again.regions == moved.regions
+                doc = again.manifest
+            sf = doc.files[0]
+            doc = dataclasses.replace(
+                doc, files=(ShardFile(sf.name, sf.length, tier.codec, stored if tier.codec != "raw" else None),)
             )
             manifest = encode_manifest(doc)
             mname = layout.manifest_name(job.rank, job.world_size)
             writer.write_file(mname, memoryview(manifest))
             ref = ManifestRef(mname, len(manifest), self._checksum(manifest))
             marker = Marker(job.step, job.world_size, self._checksum_name, ())
-            self._commit(tier, writer, job.step, ref, marker, assignment_digest(doc, not self._owners_differ))
+            owners_agree = not (self._owners_differ and tier is self.local)
+            self._commit(tier, writer, job.step, ref, marker, assignment_digest(doc, owners_agree))
         except BaseException as exc:
             for f in futures:
                 if not isinstance(f, str):
@@ -580,6 +620,15 @@ class Pipeline:
             if not _part_may_commit(exc):
                 writer.abort()
             raise
+
+    def _write_regions(
+        self, writer: StepWriter, name: str, read: Callable[[int, int], bytes | memoryview], moved: Retargeted
+    ) -> int:
+        """Write the packed shard of a retargeted part; returns the bytes stored."""
+        block = 8 << 20
+        return writer.write_chunks(
+            name, lambda: region_chunks(read, moved.regions, moved.length, block), moved.length, compress=True
+        )
 
     def _staged_checksum(self, job: StagedSave, off: int, nbytes: int) -> str:
         if job.progress is not None:
@@ -612,6 +661,17 @@ class Pipeline:
         except Exception as exc:
             return tier_error(exc, newest, tier, "applying retention after")
         return None
+
+
+def _file_reader(path: str) -> Callable[[int, int], bytes]:
+    def read(offset: int, n: int) -> bytes:
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), n, offset)
+        if len(data) != n:
+            raise EOFError(f"{path}: file ends before byte {offset + n}")
+        return data
+
+    return read
 
 
 def _part_may_commit(exc: BaseException) -> bool:

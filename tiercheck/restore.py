@@ -317,6 +317,11 @@ class ZstdFile(ReadableFile):
         self._raw.close()
 
 
+class _MissingManifest(CheckpointCorruptedError):
+    """A committed step's marker lists a manifest this tier does not hold (on a node-local
+    directory: another node's rank)."""
+
+
 def read_marker(tier: Tier, step: int) -> Marker:
     """Read and check the commit marker of `step`."""
     where = tier.path_of(step, layout.COMMIT_NAME)
@@ -344,7 +349,7 @@ def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None
     try:
         data = tier.read_bytes(step, ref.file, ref.length)
     except FileNotFoundError:
-        raise CheckpointCorruptedError(f"{mwhere}: manifest is missing from a committed step") from None
+        raise _MissingManifest(f"{mwhere}: manifest is missing from a committed step") from None
     checksum = checksum_function(marker.checksum_algorithm)
     if len(data) != ref.length or checksum(data) != ref.checksum:
         raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
@@ -385,7 +390,8 @@ def prepare_step(
     replicated top-level keys can be restored, read through rank 0's manifest."""
     marker = read_marker(tier, step)
     resized = world_size is not None and world_size != marker.world_size
-    manifest = read_manifest(tier, step, 0 if resized else rank, marker)
+    # Resized: any rank's view holds the replicated keys; take the first one this tier has.
+    manifest = _first_present_manifest(tier, step, marker) if resized else read_manifest(tier, step, rank, marker)
     tree = manifest.tree
     if world_size is not None and resized:
         tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)
@@ -442,6 +448,17 @@ def prepare_step(
         for f in files.values():
             f.close()
     return produce
+
+
+def _first_present_manifest(tier: Tier, step: int, marker: Marker) -> Manifest:
+    """The manifest of the lowest rank whose part this tier holds (a node-local directory
+    holds only its own ranks' parts, each with that node's copy of the replicated keys)."""
+    for r in range(marker.world_size):
+        try:
+            return read_manifest(tier, step, r, marker)
+        except _MissingManifest:
+            continue
+    raise CheckpointCorruptedError(f"{tier.path_of(step)}: no manifest of any rank is present")
 
 
 def _replicated_view(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class StepWriter(ABC):
@@ -49,6 +49,18 @@ class StepWriter(ABC):
         file with its `codec` (shard files only; the stored size is then returned).
         `ready(n)`, if given, blocks until the first `n` bytes of `data` are final: call it
         before reading each block (the copy into `data` may still be running)."""
+
+    def write_chunks(
+        self, name: str, chunks: Callable[[], Iterator[bytes | memoryview]], nbytes: int, compress: bool = False
+    ) -> int:
+        """Write file `name` from the `nbytes` bytes `chunks()` yields (called again to retry);
+        this default gathers them and calls `write_file`."""
+        data = bytearray()
+        for c in chunks():
+            data += c
+        if len(data) != nbytes:
+            raise ValueError(f"{name}: got {len(data)} bytes, expected {nbytes}")
+        return self.write_file(name, memoryview(data), compress=compress)
 
     def write_from_path(self, name: str, local_path: str, compress: bool = False) -> int:
         """Write file `name` with the contents of the local file `local_path` (streamed

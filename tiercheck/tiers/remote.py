@@ -316,6 +316,13 @@ class _RemoteStepWriter(StepWriter):
         self._written.append(path)
         return self._tier.put_bytes(path, data, compress, ready)
 
+    def write_chunks(
+        self, name: str, chunks: Callable[[], Iterator[bytes | memoryview]], nbytes: int, compress: bool = False
+    ) -> int:
+        path = self._tier._path(self._step, name)
+        self._written.append(path)
+        return self._tier.put_chunks(path, chunks, compress, nbytes)
+
     def write_from_path(self, name: str, local_path: str, compress: bool = False) -> int:
         path = self._tier._path(self._step, name)
         self._written.append(path)
