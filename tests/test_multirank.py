@@ -22,6 +22,7 @@ import torch
 import tiercheck
 from tests.multirank_worker import digest, make_state, saved_view, train, zero
 from tiercheck import layout
+from tiercheck.__main__ import main as cli
 from tiercheck.state import flatten_state
 
 REPLICATED = ("state['model']", "state['optimizer']")
@@ -155,8 +156,10 @@ def test_damaged_tier1_copy_on_one_rank_reads_tier2_and_others_keep_tier1(tmp_pa
     data = bytearray(shard.read_bytes())
     data[entry["offset"]] ^= 0xFF
     shard.write_bytes(bytes(data))
-    # Per-rank keys only: each rank's part is complete on its own node (replicated keys
-    # would send ranks on other nodes to tier 2 anyway).
+    # `tiercheck verify` checks every rank's part a directory holds.
+    assert cli(["verify", str(tmp_path / "node1"), "--step", "30"]) == 1
+    assert cli(["verify", str(tmp_path / "node0")]) == 0
+    assert cli(["verify", f"file://{tmp_path}/remote"]) == 0
     results, _ = run_job("restore_only", 2, tmp_path, env={"MR_KEYS": "shard,rng,position"})
     r0, r1 = results
     assert r0 is not None and r1 is not None

@@ -16,9 +16,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import TiercheckError
-from .restore import read_manifest, read_step
+from .errors import CheckpointCorruptedError, TiercheckError
+from .manifest import Manifest, Marker
+from .restore import MissingManifestError, read_manifest, read_marker, verify_files
+from .tiers.base import Tier
 from .tiers.local import LocalTier
+from .tiers.remote import RemoteTier
 
 BENCH_ENV = "TIERCHECK_BENCH_SCRIPT"
 
@@ -72,14 +75,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_help=False,
     )
     args = ap.parse_args(args_in)
-    tier = LocalTier(args.location)
+    loc = args.location
+    tier: Tier = RemoteTier(loc) if "://" in loc else LocalTier(loc)
     steps = tier.committed_steps()
     if args.cmd == "ls":
         for step in steps:
             try:
-                m = read_manifest(tier, step, 0)
-                size = sum(f.size_on_tier for f in m.files)
-                print(f"{step}\t{len(m.entries)} entries\t{size} bytes\t{tier.path_of(step)}")
+                marker = read_marker(tier, step)
+                manifests = _present_manifests(tier, step, marker)
+                size = sum(f.size_on_tier for m in manifests for f in m.files)
+                entries = sum(len(m.entries) for m in manifests)
+                print(
+                    f"{step}\t{_ranks(manifests, marker.world_size)}\t{entries} entries\t{size} bytes"
+                    f"\t{tier.path_of(step)}"
+                )
             except TiercheckError as exc:
                 print(f"{step}\tUNREADABLE: {exc}")
         return 0
@@ -87,12 +96,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = 0
     for step in targets:
         try:
-            read_step(tier, step, 0, None, strict=False)
-            print(f"step {step}: ok")
+            marker = read_marker(tier, step)
+            manifests = _present_manifests(tier, step, marker)
+            if not manifests:
+                raise CheckpointCorruptedError(f"{tier.path_of(step)}: no rank's manifest is present")
+            for m in manifests:
+                verify_files(tier, step, m)
+            print(f"step {step}: ok ({_ranks(manifests, marker.world_size)})")
         except TiercheckError as exc:
             bad += 1
             print(f"step {step}: FAILED: {exc}")
     return 1 if bad else 0
+
+
+def _present_manifests(tier: Tier, step: int, marker: Marker) -> list[Manifest]:
+    """Every rank's manifest this tier holds, each checked against the marker (a node-local
+    directory holds only the parts of its own ranks)."""
+    found = []
+    for r in range(marker.world_size):
+        try:
+            found.append(read_manifest(tier, step, r, marker))
+        except MissingManifestError:
+            continue
+    return found
+
+
+def _ranks(manifests: list[Manifest], world: int) -> str:
+    if world == 1:
+        return "1 rank"
+    return f"{len(manifests)} of {world} ranks' parts here"
 
 
 if __name__ == "__main__":

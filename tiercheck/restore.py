@@ -317,7 +317,7 @@ class ZstdFile(ReadableFile):
         self._raw.close()
 
 
-class _MissingManifest(CheckpointCorruptedError):
+class MissingManifestError(CheckpointCorruptedError):
     """A committed step's marker lists a manifest this tier does not hold (on a node-local
     directory: another node's rank)."""
 
@@ -349,7 +349,7 @@ def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None
     try:
         data = tier.read_bytes(step, ref.file, ref.length)
     except FileNotFoundError:
-        raise _MissingManifest(f"{mwhere}: manifest is missing from a committed step") from None
+        raise MissingManifestError(f"{mwhere}: manifest is missing from a committed step") from None
     checksum = checksum_function(marker.checksum_algorithm)
     if len(data) != ref.length or checksum(data) != ref.checksum:
         raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
@@ -456,7 +456,7 @@ def _first_present_manifest(tier: Tier, step: int, marker: Marker) -> Manifest:
     for r in range(marker.world_size):
         try:
             return read_manifest(tier, step, r, marker)
-        except _MissingManifest:
+        except MissingManifestError:
             continue
     raise CheckpointCorruptedError(f"{tier.path_of(step)}: no manifest of any rank is present")
 
