@@ -221,6 +221,7 @@ def restore_after_kill(rank: int, world: int, root: str) -> dict[str, Any]:
     view = saved_view(state)
     out: dict[str, Any] = {"restored_step": ck.restore(view)}
     out["digest"] = digest(view)
+    ck.save(30, view).wait()  # the job goes on; leftovers of the failed step are swept
     ck.close()
     return out
 

@@ -198,6 +198,14 @@ def test_rank_killed_mid_save_others_fail_within_timeout_and_previous_step_resto
         assert res is not None and res["restored_step"] == 10
     # Rank 0's restored state is what it saved at step 10 (rank 1's result died with it).
     assert restored[0] is not None and restored[0]["digest"] == r0["saved_10"]
+    # Once the job commits again, nothing of the failed step 20 is left on any tier.
+    for d in (tmp_path / "node0", tmp_path / "node1", tmp_path / "remote"):
+        assert committed(d) == [10, 30]
+        # (files, as an object store sees them; file:// may keep an empty directory)
+        assert {p.relative_to(d).parts[0] for p in d.rglob("*") if p.is_file()} == {
+            "step-000000000010",
+            "step-000000000030",
+        }, d
 
 
 def test_world_size_change_replicated_state(tmp_path: Path) -> None:

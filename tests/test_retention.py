@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +194,17 @@ def test_a_marker_less_step_dir_does_not_block_saving_that_step(make_ckpt, ckpt_
     fresh.save(3, {"x": torch.full((8,), 33.0), "step": 33}).wait()
     assert fresh.steps() == [1, 2, 3]
     assert tiercheck.load(ckpt_dir)["step"] == 33
+
+
+def test_keep_all_tier_still_sweeps_leftovers_once_per_session(tmp_path: Path) -> None:
+    # An upload cut by a crash left objects without a marker; keep_remote=None deletes no
+    # step, but the leftovers of an older, never-committed step are removed after the next commit.
+    remote = tmp_path / "bucket"
+    stray = remote / "step-000000000003"
+    stray.mkdir(parents=True)
+    (stray / "rank-00000-of-00001.shard").write_bytes(b"x" * 4096)
+    with tiercheck.Checkpointer(remote=f"file://{remote}", keep_remote=None) as ck:
+        for step in (5, 6):
+            ck.save(step, {"w": torch.ones(4)}).wait()
+        assert ck.steps("remote") == [5, 6]
+    assert not (stray / "rank-00000-of-00001.shard").exists()

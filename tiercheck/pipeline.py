@@ -192,6 +192,8 @@ class Pipeline:
         self._tracks: dict[int, _Track] = {}
         self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
         self._errors: list[TierError] = []
+        # Per tier: may unmarked leftovers exist (a crash before this session, a failed step)?
+        self._sweep = {t.name: True for t in (local, remote) if t is not None}
         self.newest_durable: dict[str, int] = {}  # per tier, the newest step this session made durable
         self._closed = False
         # The stager keeps normal priority: an optimizer step may be waiting for it.
@@ -296,6 +298,8 @@ class Pipeline:
             except Exception as exc:
                 logger.warning("tiercheck: could not tell the other ranks that step %d failed: %r", step, exc)
         with self._lock:
+            if error is not None:
+                self._sweep[tier] = True
             track = self._tracks.get(step)
             if isinstance(error, TierError):
                 self._errors.append(error)
@@ -636,10 +640,20 @@ class Pipeline:
         return self._checksum(job.buffer.view(off + nbytes)[off:])
 
     def _prune(self, tier: Tier, newest: int | None) -> TierError | None:
-        if isinstance(self._keep[tier.name], KeepAll):
-            return None  # nothing to delete: don't even list (an object store may be down)
         if self._group is not None and not self._group.leads(tier.name):
             return None  # one rank per directory prunes it
+        if isinstance(self._keep[tier.name], KeepAll):
+            # Nothing to delete but leftovers, and those only after a failure (or a crash
+            # before this session): list once then, not after every step.
+            if not self._sweep.pop(tier.name, False):
+                return None
+            try:
+                committed = tier.committed_steps()
+                if committed:
+                    self._remove_strays(tier, committed[-1], self.in_flight(tier.name))
+            except Exception as exc:
+                logger.warning("tiercheck: could not look for leftovers on tier %s: %r", tier.name, exc)
+            return None
         try:
             committed = tier.committed_steps()
             # Steps still to be uploaded stay on tier 1; steps being uploaded are off limits.
@@ -652,15 +666,19 @@ class Pipeline:
                 tier.delete_step(step)
                 logger.debug("retention deleted step %d from tier %s", step, tier.name)
             if committed:
-                # Data a crash left without a marker (a cut deletion or upload), older than the
-                # newest committed step and not being written now: finish deleting it.
-                for step in tier.stray_steps():
-                    if step < committed[-1] and step not in protected:
-                        tier.delete_step(step)
-                        logger.info("removed unmarked leftovers of step %d from tier %s", step, tier.name)
+                self._remove_strays(tier, committed[-1], protected)
         except Exception as exc:
             return tier_error(exc, newest, tier, "applying retention after")
         return None
+
+    def _remove_strays(self, tier: Tier, newest: int, protected: list[int]) -> None:
+        """Data a crash or a failed step left without a marker (a cut deletion or upload, the
+        parts of a multi-rank step that did not commit), older than the newest committed step
+        and not being written now: finish deleting it."""
+        for step in tier.stray_steps():
+            if step < newest and step not in protected:
+                tier.delete_step(step)
+                logger.info("removed unmarked leftovers of step %d from tier %s", step, tier.name)
 
 
 def _file_reader(path: str) -> Callable[[int, int], bytes]:
