@@ -8,21 +8,27 @@ instead of hanging them. The protocol, per step and tier (keys under
 
 1. every rank makes its part durable (shard files and manifest, no marker), then
    ``set part/<rank>`` (its manifest's name, length and checksum, or the error that
-   stopped it) and ``add n 1``;
-2. rank 0 polls ``n`` until every rank reported (or the deadline), then ``set verdict``:
-   the commit marker listing every rank's manifest, or the reason the step fails;
-3. one *leader* per distinct directory writes that marker (rank 0 on a shared tier; on
-   a node-local tier, one rank per node) and ``set marked/<leader>``; the other ranks
-   wait for their leader's key, so every handle reports the step durable only once the
-   marker covering its part exists;
-4. each rank ``add ack 1``; the rank that completes the count deletes the step's keys,
-   so the store does not grow from step to step.
+   stopped it) and ``add n 1``; a rank that fails before that reports the failure at
+   once, so nobody waits for it;
+2. rank 0 polls ``n`` until every rank reported (or the timeout), then ``set marker``
+   (the commit marker listing every rank's manifest) and ``set verdict`` (``ok``, or the
+   reason the step fails: a failed or silent rank, ranks disagreeing on the replicated
+   keys); each rank then deletes its own report;
+3. one *leader* per distinct directory fetches the marker and writes it (rank 0 on a
+   shared tier; on a node-local tier, one rank per directory) and ``set marked/<leader>``;
+   the other ranks wait for their leader's key, so every handle reports the step durable
+   only once the marker covering its part exists;
+4. each rank ``add ack 1``; the rank that completes the count deletes the step's shared
+   keys, so the store does not grow from step to step.
+
+Waits poll with backoff (2 ms up to 50 ms per 1000 ranks, at most 1 s), each bounded by
+the timeout: rank 0 waits that long for the reports, the others twice that for the verdict.
 
 Restore agreement (keys under ``g<generation>/restore/``): each rank publishes the steps
 its own tier 1 holds; rank 0 adds what the shared tier 2 holds and publishes the
 candidates, newest first, that every rank can read (tier 2, or tier 1 on every rank's
 node); then all ranks try candidates in order, each counting its outcome in ``r<i>/n``
-and, on failure, ``r<i>/bad``, until one verifies on every rank.
+and appending the reason of a failure to ``r<i>/why``, until one verifies on every rank.
 """
 
 from __future__ import annotations
