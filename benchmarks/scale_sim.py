@@ -16,6 +16,10 @@ store (a torch TCPStore: one server thread, which every rank talks to):
 * restore discovery: agreeing on the candidate steps (rank 0 lists tier 2 once) and
   reading the first candidate's COMMIT and manifest from tier 2, and the cost of a
   candidate that some rank cannot read (failing ranks append to one `r<i>/why` key);
+* replicated keys with a node-local tier 1 and a tier 2 (closed form, per node): every
+  node writes its own copy to tier 1, rank 0's node uploads the one copy tier 2 gets,
+  and a restore from tier 1 reads nothing from tier 2, against the earlier placement
+  (one copy per job on both tiers);
 * designs tiercheck does not use, for comparison: every rank lists the bucket at
   restore, every rank polls the store with no backoff, a commit that "renames" a
   temporary prefix (an object store can only copy and delete), and two that earlier
@@ -70,7 +74,10 @@ SMALL_REPLY = 4096  # replies below this are not queued behind payloads on the s
 class Assumptions:
     """Inputs of the model. Defaults are round, plausible values, not measurements."""
 
-    shard_mib: float = 1024.0  # bytes each rank stores per step (weak scaling: constant per rank)
+    shard_mib: float = 1024.0  # each rank's own (per-rank) state per step (weak scaling: constant per rank)
+    replicated_mib: float = 16384.0  # replicated keys, one copy (DDP: model + Adam state, ~1.4B fp32 parameters)
+    replicated_keys: int = 2  # top-level replicated keys ("model", "optimizer"), taken as equal in size
+    node_disk_mbps: float = 2000.0  # one node's tier-1 disk, MB/s (read or write; page cache ignored)
     manifest_kib: float = 200.0  # one rank's manifest (~1000 tensors)
     part_mib: int = 16  # RemoteTier.block_size: multipart part size (not settable through Checkpointer)
     read_mib: int = 64  # _RemoteFile.read_into: one ranged GET
@@ -103,6 +110,8 @@ class Assumptions:
         return [
             f"per rank: {self.shard_mib:g} MiB shard + {self.manifest_kib:g} KiB manifest per step; "
             f"{self.gpus_per_node} ranks per node",
+            f"replicated keys: {self.replicated_mib:g} MiB in {self.replicated_keys} equal keys (modelled apart: the "
+            f"commit tables cover the per-rank shards); a node's tier-1 disk moves {self.node_disk_mbps:g} MB/s",
             f"object store: PUT {self.put_p50_ms:g} ms p50 / {self.put_p50_ms * lat:.0f} ms p99 (lognormal) "
             f"plus transfer at {self.rank_mbps:g} MB/s per rank; GET {self.get_p50_ms:g} ms to first byte; "
             f"LIST {self.list_page_ms:g} ms per {LIST_PAGE_KEYS} keys",
@@ -569,6 +578,7 @@ def run_world(world: int, a: Assumptions, seeds: Sequence[int]) -> dict[str, Any
 
     out["restore"] = restore_model(world, a)
     out["rename"] = rename_model(world, a)
+    out["replicated"] = replicated_model(world, a)
     out["ratios"] = ratios(world, a)
     return out
 
@@ -680,6 +690,77 @@ def rename_model(world: int, a: Assumptions) -> dict[str, Any]:
     per_rank = size / (a.copy_mbps * 1e6) + 3 * put
     floor = (requests - list_pages(objects)) / a.put_rate
     return {"requests": requests, "added_s": max(per_rank, floor), "bytes_copied_gb": world * size / 1e9}
+
+
+# ------------------------------------------------------------------- replicated keys (closed form)
+
+
+def _keys_per_rank(keys: int, ranks: int) -> int:
+    """The most equal-sized keys one of `ranks` ranks gets from checkpointer._balance
+    (largest first, each to the least loaded rank, ties to the lowest: key i to rank i
+    modulo `ranks`)."""
+    return math.ceil(keys / ranks)
+
+
+def replicated_model(world: int, a: Assumptions) -> dict[str, Any]:
+    """Replicated keys (R bytes in K equal top-level keys) with a node-local tier 1 (g ranks
+    per node, one directory each) and a tier 2, per node and per step.
+
+    This design (Checkpointer._owners_of, Pipeline._copy_from_local): every node's tier-1
+    directory keeps a full copy, the keys balanced over its g ranks; tier 2 gets one copy,
+    uploaded by the ranks of rank 0's node, balanced over them (at most min(K, g) ranks
+    upload), and every other part is retargeted (uploaded without them). A restore of a
+    step that every node's tier 1 holds reads nothing from tier 2: each rank reads its
+    part and its node's copy of the replicated keys from its own disk.
+
+    [earlier design]: one copy per job on both tiers, balanced over all W ranks: key i on
+    rank i mod W, so with K <= g every key on rank 0's node. A restoring rank on a node
+    that did not hold every owner failed its tier-1 read and read its whole part (own
+    state and the replicated keys) from tier 2."""
+    g = min(a.gpus_per_node, world)
+    nodes = math.ceil(world / g)
+    s = a.shard_mib * MiB
+    r = a.replicated_mib * MiB
+    k = max(1, a.replicated_keys)
+    key = r / k
+    bw = a.rank_mbps * 1e6
+    disk = a.node_disk_mbps * 1e6
+    out: dict[str, Any] = {"nodes": nodes}
+    # Tier 1, bytes written per node and step.
+    out["tier1_node_bytes"] = g * s + r
+    old_node: Counter[int] = Counter((i % world) // g for i in range(k))
+    out["old_tier1_node0_bytes"] = g * s + old_node[0] * key
+    out["old_tier1_other_bytes"] = g * s + (min(old_node[n] for n in range(1, nodes)) * key if nodes > 1 else 0)
+    out["tier1_replicated_s"] = r / disk  # the node's disk writes one more copy of R
+    # Tier 2: rank 0's node uploads R (one copy), the other nodes only their own state.
+    uploaders = min(k, g)
+    busiest = _keys_per_rank(k, uploaders) * key
+    out["uploaders"] = uploaders
+    out["tier2_node0_bytes"] = g * s + r
+    out["tier2_other_bytes"] = g * s
+    out["upload_busiest_s"] = (s + busiest) / bw  # a rank of rank 0's node carrying replicated keys
+    out["upload_plain_s"] = s / bw  # a rank carrying only its own state
+    out["extra_put_requests"] = uploaders * (  # parts for the replicated bytes (whole parts, s3fs)
+        math.ceil((s + busiest) / (a.part_mib * MiB)) - math.ceil(s / (a.part_mib * MiB))
+    )
+    old_uploaders = min(k, world)
+    out["old_upload_busiest_s"] = (s + _keys_per_rank(k, old_uploaders) * key) / bw
+    out["old_tier2_node0_bytes"] = g * s + old_node[0] * key
+    # Restore of a step on every node's tier 1.
+    out["restore_node_disk_bytes"] = g * (s + r)  # every rank reads its own state and all of R
+    out["restore_node_disk_s"] = g * (s + r) / disk
+    all_on_node0 = old_node[0] == k
+    old_ranks = world - g if all_on_node0 else world
+    per_rank = s + r
+    n_reads = math.ceil(per_rank / (a.read_mib * MiB))
+    get_s = lognormal_mean(a.get_p50_ms, a.get_sigma) / 1e3
+    out["old_restore_tier2_ranks"] = old_ranks
+    out["old_restore_tier2_bytes"] = old_ranks * per_rank
+    out["old_restore_tier2_gets"] = old_ranks * n_reads
+    out["old_restore_tier2_s"] = (
+        max(n_reads * (get_s + a.read_mib * MiB / bw), old_ranks * n_reads / a.get_rate) if old_ranks else 0.0
+    )
+    return out
 
 
 # ------------------------------------------------------------------- what saturates
@@ -795,7 +876,8 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
         "",
         "#### Commit of one step on the object-store tier (tier 2, rank 0 writes COMMIT)",
         "",
-        "Latencies count from the moment the slowest rank's shard and manifest are durable.",
+        "Latencies count from the moment the slowest rank's shard and manifest are durable. The upload window "
+        "covers the per-rank shards; the replicated keys lengthen the uploads of rank 0's node (next tables).",
         "",
     ]
     rows = []
@@ -875,7 +957,57 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
             rows,
         )
     )
-    out += ["", "#### Restore discovery from tier 2 (fresh nodes)", ""]
+    out += [
+        "",
+        "#### Replicated keys with a node-local tier 1 and a tier 2 (per node, per step)",
+        "",
+    ]
+    rows = []
+    for r in results:
+        x = r["replicated"]
+        other = _fmt_b(x["tier2_other_bytes"]) if x["nodes"] > 1 else "-"
+        rows.append(
+            [
+                _fmt_n(r["W"]),
+                _fmt_n(x["nodes"]),
+                f"{_fmt_b(x['tier1_node_bytes'])} (vs {_fmt_b(x['old_tier1_node0_bytes'])} / "
+                + (f"{_fmt_b(x['old_tier1_other_bytes'])})" if x["nodes"] > 1 else "-)"),
+                f"+{_fmt_s(x['tier1_replicated_s'])}",
+                f"{_fmt_b(x['tier2_node0_bytes'])} / {other} (vs {_fmt_b(x['old_tier2_node0_bytes'])} / {other})",
+                f"{x['uploaders']}: {_fmt_s(x['upload_busiest_s'])} vs {_fmt_s(x['upload_plain_s'])} "
+                f"(vs {_fmt_s(x['old_upload_busiest_s'])}); +{_fmt_n(x['extra_put_requests'])} PUT",
+                f"0 B; {_fmt_b(x['restore_node_disk_bytes'])} from each node's disk, "
+                f"{_fmt_s(x['restore_node_disk_s'])}",
+                f"{_fmt_b(x['old_restore_tier2_bytes'])} by {_fmt_n(x['old_restore_tier2_ranks'])} ranks, "
+                f"{_fmt_n(x['old_restore_tier2_gets'])} GETs ({_fmt_s(x['old_restore_tier2_s'])})",
+            ]
+        )
+    out.append(
+        _table(
+            [
+                "W",
+                "nodes",
+                "tier-1 bytes written per node (vs [earlier]: rank 0's node / another)",
+                "a node's disk, for its copy of the keys",
+                "tier-2 bytes uploaded: rank 0's node / another (vs [earlier])",
+                "ranks uploading the keys: busiest upload vs a rank's own state only (vs [earlier])",
+                "restore from tier 1: bytes from tier 2; from disk",
+                "[earlier] restore from tier 1: tier-2 reads by ranks off the owners' node",
+            ],
+            rows,
+        )
+    )
+    out += [
+        "",
+        f"{a.replicated_mib:g} MiB of replicated keys in {a.replicated_keys} equal keys, {a.gpus_per_node} ranks and "
+        "one tier-1 directory per node. Every node now writes its own copy to tier 1; tier 2 still gets one copy, "
+        "all of it from rank 0's node, whose uplink carries it. [earlier]: one copy per job, balanced over all W "
+        "ranks (key i on rank i), so with no more keys than ranks per node all of it on rank 0's node as well, "
+        "and at restore every rank elsewhere read its whole part from tier 2.",
+        "",
+        "#### Restore discovery from tier 2 (fresh nodes)",
+        "",
+    ]
     rows = []
     for r in results:
         x = r["restore"]

@@ -5,11 +5,11 @@
 
 Every rank builds the same `tiercheck.Checkpointer` and calls `save` with the same steps.
 The DDP model and optimizer are identical on every rank, so they are `replicated`: written
-once per step, spread over the ranks. The RNG state (dropout) and the data sampler's
-position differ per rank and are saved per rank. `restore` is collective: all ranks
-resume from the same step. Tier 1 is `DIR/node-local` (shared by the ranks of this node),
-or `DIR/rank<r>` with --per-rank-dirs (one "node-local disk" per rank); tier 2 (--remote,
-e.g. file:///tmp/t2) is shared by all ranks.
+once per tier-1 directory (spread over the ranks sharing it) and once on tier 2. The RNG
+state (dropout) and the data sampler's position differ per rank and are saved per rank.
+`restore` is collective: all ranks resume from the same step. Tier 1 is `DIR/node-local`
+(shared by the ranks of this node), or `DIR/rank<r>` with --per-rank-dirs (one "node-local
+disk" per rank); tier 2 (--remote, e.g. file:///tmp/t2) is shared by all ranks.
 
 Each step prints `step N rank R loss X` on every rank. The run is deterministic, so a
 run that is killed (--kill-at: rank R SIGKILLs itself right after queueing the save of

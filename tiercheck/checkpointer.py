@@ -98,8 +98,9 @@ class Checkpointer:
             never a collective of the training process group.
         replicated: top-level keys of the state that hold the same value on every rank
             (DDP: ``("model", "optimizer")``), or True for all of them. Each is written by
-            one rank only, and can be restored by a job with a different number of ranks.
-            Other keys are per rank (sharded state, data-loader position, RNG).
+            one rank per tier-1 directory (once in all if the ranks share one) and once on
+            tier 2, and can be restored by a job with a different number of ranks. Other
+            keys are per rank (sharded state such as FSDP2 DTensors, data-loader position, RNG).
         replicated_writer: which rank writes each replicated key: "balance" (default: keys
             spread over the ranks by size, largest first) or one rank's number. When tier 1 is
             node-local (ranks do not all share one directory), every directory keeps its own

@@ -349,7 +349,10 @@ def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None
     try:
         data = tier.read_bytes(step, ref.file, ref.length)
     except FileNotFoundError:
-        raise MissingManifestError(f"{mwhere}: manifest is missing from a committed step") from None
+        raise MissingManifestError(
+            f"{mwhere}: manifest is missing from a committed step (a node-local directory holds only "
+            "the parts of the ranks that share it: read it with one of their ranks)"
+        ) from None
     checksum = checksum_function(marker.checksum_algorithm)
     if len(data) != ref.length or checksum(data) != ref.checksum:
         raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
