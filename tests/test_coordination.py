@@ -80,7 +80,7 @@ def test_a_silent_rank_fails_the_step_after_the_timeout_naming_it(store: Any) ->
     results = run_ranks([commit_fn(cs[0], 1), commit_fn(cs[1], 1)])  # rank 2 never reports
     assert time.monotonic() - t0 < 5
     for r in results:
-        assert isinstance(r, CoordinationError) and "ranks 2 did not report" in str(r)
+        assert isinstance(r, CoordinationError) and "rank 2 did not report" in str(r)
 
 
 def test_a_failed_part_fails_the_step_at_once_for_everyone(store: Any) -> None:

@@ -182,7 +182,8 @@ class Coordinator:
             self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, what)
         except CoordinationError:
             missing = [r for r in range(self.world_size) if not self._has(f"{base}part/{r}")]
-            return self._fail(base, f"ranks {_ranges(missing)} did not report their part within {self.timeout:.0f}s")
+            who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {_ranges(missing)}"
+            return self._fail(base, f"{who} did not report their part within {self.timeout:.0f}s")
         docs = [json.loads(v) for v in self._get_many([f"{base}part/{r}" for r in range(self.world_size)])]
         failed = [(r, d["error"]) for r, d in enumerate(docs) if d["manifest"] is None]
         if failed:
