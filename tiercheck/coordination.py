@@ -28,7 +28,8 @@ Restore agreement (keys under ``g<generation>/restore/``): each rank publishes t
 its own tier 1 holds; rank 0 adds what the shared tier 2 holds and publishes the
 candidates, newest first, that every rank can read (tier 2, or tier 1 on every rank's
 node); then all ranks try candidates in order, each counting its outcome in ``r<i>/n``
-and appending the reason of a failure to ``r<i>/why``, until one verifies on every rank.
+and failures in ``r<i>/bad`` (the first three failing ranks append their reason to
+``r<i>/why``), until one verifies on every rank.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class Coordinator:
     """
 
     POLL_MIN = 0.002
+    REASONS_KEPT = 3  # failing ranks whose reason a restore round records
     POLL_MAX = 0.05  # per 1000 ranks: W ranks polling rank 0's store stay near 20k ops/s
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str, timeout: float) -> None:
@@ -298,23 +300,27 @@ class Coordinator:
 
     def agree_outcome(self, index: int, ok: bool, reason: str = "", fatal: bool = False) -> tuple[bool, str, bool]:
         """After trying candidate `index`: did every rank succeed? Returns (everyone ok, the
-        failures, whether some rank gave up on the restore altogether). Failing ranks append
-        to one key, so reading the reasons costs one call whatever the job's size."""
+        first failures, whether some rank gave up on the restore altogether). Only the first
+        few failing ranks record a reason, so what every rank reads stays small at any scale."""
         base = f"g{self.generation}/restore/r{index}/"
         if not ok:
-            line = json.dumps([self.rank, bool(fatal), reason[:500]]) + "\n"
-            self._op(functools.partial(_append, key=f"{base}why", value=line))
+            nth = int(self._op(lambda s: s.add(f"{base}bad", 1)))
+            if fatal:
+                self._op(lambda s: s.add(f"{base}fatal", 1))
+            if nth <= self.REASONS_KEPT:
+                line = json.dumps([self.rank, reason[:500]]) + "\n"
+                self._op(functools.partial(_append, key=f"{base}why", value=line))
         self._op(lambda s: s.add(f"{base}n", 1))
         deadline = time.monotonic() + self.timeout
         self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, "every rank to read the step")
-        if not self._has(f"{base}why"):
+        bad = self._count(f"{base}bad")
+        if bad == 0:
             return True, "", False
-        reports = [json.loads(x) for x in self._get(f"{base}why").decode(errors="replace").splitlines() if x]
-        reports.sort()
-        first = "; ".join(f"rank {r}: {why}" for r, _, why in reports[:3])
-        if len(reports) > 3:
-            first += f" (and {len(reports) - 3} more ranks)"
-        return False, first, any(fatal for _, fatal, _ in reports)
+        reports = sorted(json.loads(x) for x in self._get(f"{base}why").decode(errors="replace").splitlines() if x)
+        first = "; ".join(f"rank {r}: {why}" for r, why in reports)
+        if bad > len(reports):
+            first += f" (and {bad - len(reports)} more ranks)"
+        return False, first, self._count(f"{base}fatal") > 0
 
 
 def _delete_key(store: Any, key: str) -> None:
