@@ -15,7 +15,8 @@ store (a torch TCPStore: one server thread, which every rank talks to):
   includes deleting the step's shared keys);
 * restore discovery: agreeing on the candidate steps (rank 0 lists tier 2 once) and
   reading the first candidate's COMMIT and manifest from tier 2, and the cost of a
-  candidate that some rank cannot read (failing ranks append to one `r<i>/why` key);
+  candidate that some rank cannot read (failing ranks count themselves in `r<i>/bad`,
+  the first three append their reason to `r<i>/why`);
 * replicated keys with a node-local tier 1 and a tier 2 (closed form, per node): every
   node writes its own copy to tier 1, rank 0's node uploads the one copy tier 2 gets,
   and a restore from tier 1 reads nothing from tier 2, against the earlier placement
@@ -23,8 +24,9 @@ store (a torch TCPStore: one server thread, which every rank talks to):
 * designs tiercheck does not use, for comparison: every rank lists the bucket at
   restore, every rank polls the store with no backoff, a commit that "renames" a
   temporary prefix (an object store can only copy and delete), and two that earlier
-  versions used: a verdict that carried the marker to every rank, and a failed restore
-  round in which every rank checked every rank's reason key (W^2 operations);
+  versions used: a verdict that carried the marker to every rank, and failed restore
+  rounds in which every rank checked every rank's reason key (W^2 operations), then read
+  every failing rank's reason line (W x W lines when every rank failed);
 * which resource saturates first, and at which W.
 
 The commit phase is a small discrete-event simulation (deterministic: seeded) of every
@@ -124,7 +126,7 @@ class Assumptions:
             f"multipart parts {self.part_mib} MiB, ranged reads {self.read_mib} MiB, keep_remote={self.keep_remote} "
             f"(commit model), {self.accumulated} steps kept for the keep_remote=None restore, "
             f"remote_timeout={self.remote_timeout_s:g} s; a failed restore candidate's reason: "
-            f"{self.reason_chars} characters per failing rank",
+            f"{self.reason_chars} characters, recorded by the first {REASONS_KEPT} failing ranks",
         ]
 
 
@@ -185,8 +187,16 @@ def part_report_bytes(world: int, a: Assumptions) -> int:
     return len(json.dumps(doc))
 
 
+REASONS_KEPT = 3  # Coordinator.REASONS_KEPT: failing ranks whose reason a restore round records
+
+
 def why_line_bytes(world: int, a: Assumptions) -> int:
-    """One failing rank's line in `r<i>/why` (Coordinator.agree_outcome)."""
+    """One failing rank's line in `r<i>/why` (Coordinator.agree_outcome): [rank, reason]."""
+    return len(json.dumps([world - 1, "x" * min(500, a.reason_chars)])) + 1
+
+
+def old_why_line_bytes(world: int, a: Assumptions) -> int:
+    """[earlier design] Every failing rank appended [rank, fatal, reason] to `r<i>/why`."""
     return len(json.dumps([world - 1, False, "x" * min(500, a.reason_chars)])) + 1
 
 
@@ -593,7 +603,7 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
     waits for all, lists tier 2 once, multi_gets the W lists, sets the plan; the others
     poll for the plan (backoff) and get it. Then each rank GETs COMMIT, GETs its manifest,
     HEADs its shard, and reads the shard in 64 MiB ranged GETs; outcome agreement costs
-    each rank two store ops (add r<i>/n, check r<i>/why) and polls when every rank read
+    each rank two store ops (add r<i>/n, read r<i>/bad) and polls when every rank read
     the candidate (see failed_round for one that some rank could not read)."""
     service = 1.0 / a.store_ops
     rtt = a.store_rtt_ms / 1e3
@@ -622,6 +632,8 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
     # [earlier design] every rank checked every rank's `why/<r>` key, one `check` each.
     out["old_failed_round_ops"] = world * world + 4 * world
     out["old_failed_round_s"] = max(out["old_failed_round_ops"] / a.store_ops, world * rtt)
+    # [earlier design] every failing rank appended its line to r<i>/why, every rank read all.
+    out["old_failed_all"] = old_failed_round(world, world, a)
     out["meta_s"] = meta
     out["marker_download_total_mb"] = world * m / 1e6
     out["data_get_requests"] = world * n_reads
@@ -651,14 +663,33 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
     return out
 
 
-def failed_round(world: int, failing: int, a: Assumptions) -> dict[str, float]:
-    """Coordinator.agree_outcome for a candidate that `failing` ranks could not read: each
-    failing rank appends one JSON line to r<i>/why; every rank adds to r<i>/n, polls it
-    until it reaches W, checks r<i>/why and gets it (one call). Operations grow as W; the
-    bytes the store sends grow as W x failing (each rank reads every failing rank's line).
+def failed_round(world: int, failing: int, a: Assumptions, fatal: int = 0) -> dict[str, float]:
+    """Coordinator.agree_outcome for a candidate that `failing` ranks could not read
+    (`fatal` of them gave up on the restore, e.g. a template that does not fit): each
+    failing rank adds 1 to r<i>/bad (and to r<i>/fatal if fatal); the first REASONS_KEPT
+    of them append one JSON line to r<i>/why; every rank adds to r<i>/n, polls it until it
+    reaches W, reads r<i>/bad, then gets r<i>/why (at most REASONS_KEPT lines) and reads
+    r<i>/fatal. Operations and bytes grow as W, whatever the number of failing ranks.
     Polls not counted; the time is the store's busy time (thread or link, whichever is
-    longer) plus each rank's four round trips, as for the earlier design's W checks."""
+    longer) plus the round trips of a failing rank that records its reason (add bad,
+    append, add n; read bad, get why, read fatal)."""
+    kept = min(failing, REASONS_KEPT)
     line = why_line_bytes(world, a)
+    if failing:
+        ops = failing + fatal + kept + 4 * world
+        sent = world * kept * line
+        trips = 6 + (1 if fatal else 0)
+    else:
+        ops, sent, trips = 2 * world, 0, 2
+    busy = max(ops / a.store_ops, sent / (a.store_mbps * 1e6))
+    return {"ops": ops, "bytes": sent, "s": busy + trips * a.store_rtt_ms / 1e3}
+
+
+def old_failed_round(world: int, failing: int, a: Assumptions) -> dict[str, float]:
+    """[earlier design] Every failing rank appended [rank, fatal, reason] to r<i>/why; every
+    rank added to r<i>/n, checked r<i>/why and got it: failing + 3W operations, and W x
+    failing lines sent (each rank read every failing rank's line); four round trips."""
+    line = old_why_line_bytes(world, a)
     ops = failing + 3 * world
     sent = world * failing * line
     busy = max(ops / a.store_ops, sent / (a.store_mbps * 1e6))
@@ -771,7 +802,8 @@ def ratios(world: int, a: Assumptions) -> dict[str, float]:
     Above 1 the resource is saturated (rates) or the limit is crossed (sizes, timeouts);
     for the latency terms ('>1 s') the threshold is an arbitrary 1 s added to a save or a
     restore round. Rows marked [earlier design] are what tiercheck did before the marker
-    got a key of its own and restore failures one appended key."""
+    got a key of its own and before restore failures were counted in one key, with the
+    reasons of the first three failing ranks only."""
     up = mean_upload_s(a)
     per_rank = shard_requests(a) + 1
     rtt = a.store_rtt_ms / 1e3
@@ -782,20 +814,23 @@ def ratios(world: int, a: Assumptions) -> dict[str, float]:
     listing_acc = list_pages(a.accumulated * objects_per_step(world)) * a.list_page_ms / 1e3
     leaders = math.ceil(world / a.gpus_per_node)
     bps = a.store_mbps * 1e6
-    line = why_line_bytes(world, a)
+    line = old_why_line_bytes(world, a)
     cleanup = (leaders + 6) * (rtt + 1 / a.store_ops)  # check + get verdict, L + 4 deletes, one by one
     w2 = world * world
+    k = REASONS_KEPT
+    failed_all = failed_round(world, world, a)["s"]
     return {
         "prefix PUT rate while all ranks upload": world * per_rank / up / a.put_rate,
         "prefix GET rate while all ranks read shards at restore": world * n_reads / read_rank / a.get_rate,
         "job store ops under backoff polling": world / (poll_max_s(world, a) + rtt) / a.store_ops,
         "node-local tier 1: marker sent to the L-1 other leaders, >1 s": (leaders - 1) * m / bps,
         "node-local tier 1: the last rank deletes L+4 shared keys one by one, >1 s": cleanup,
-        "a restore candidate every rank fails: W x W reason lines sent, >1 s": w2 * line / bps,
+        f"a restore candidate every rank fails: 5W + {k} store ops, {k} reason lines per rank, >1 s": failed_all,
         f"tier-2 listing with {a.accumulated} steps kept vs remote_timeout": listing_acc / a.remote_timeout_s,
         f"COMMIT size vs the reader's {MAX_MARKER_BYTES >> 20} MiB limit": m / MAX_MARKER_BYTES,
         "[earlier design] verdict carried the marker to W-1 ranks, >1 s": old_verdict_bytes(world, a) / bps,
         "[earlier design] a failed restore round: every rank checked W keys (W^2 ops), >1 s": w2 / a.store_ops,
+        "[earlier design] a restore candidate every rank fails: W x W reason lines sent, >1 s": w2 * line / bps,
         "[avoided design] job store ops if every rank polled with no backoff": world / rtt / a.store_ops,
     }
 
@@ -1046,8 +1081,10 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
     )
     out += [
         "",
-        "Failed candidate: each failing rank appends a line to `r<i>/why`, then every rank adds to `r<i>/n`, "
-        f"checks `r<i>/why` and gets it (polls not counted); reasons of {a.reason_chars} characters.",
+        "Failed candidate: each failing rank adds to `r<i>/bad` and the first "
+        f"{REASONS_KEPT} append a line to `r<i>/why`; then every rank adds to `r<i>/n`, reads `r<i>/bad`, gets "
+        f"`r<i>/why` (at most {REASONS_KEPT} lines) and reads `r<i>/fatal` (polls not counted); reasons of "
+        f"{a.reason_chars} characters; no rank gives up (each that does adds one `add r<i>/fatal`).",
         "",
         "#### Designs tiercheck avoids (same assumptions)",
         "",
@@ -1055,6 +1092,7 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
     rows = []
     for r in results:
         x, c, nb, rn = r["restore"]["kept"], r["commit_shared"], r["commit_nobackoff"], r["rename"]
+        old_all, now_all = r["restore"]["old_failed_all"], r["restore"]["failed_all"]
         rows.append(
             [
                 _fmt_n(r["W"]),
@@ -1068,6 +1106,8 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
                 f"{_fmt_b(r['old_verdict_bytes'])}, {_fmt_s(r['old_verdict_s'])} (vs {_fmt_b(r['store_sent_shared'])})",
                 f"{_fmt_n(r['restore']['old_failed_round_ops'])} ops, {_fmt_s(r['restore']['old_failed_round_s'])} "
                 f"(vs {_fmt_n(r['restore']['failed_one']['ops'])}, {_fmt_s(r['restore']['failed_one']['s'])})",
+                f"{_fmt_n(old_all['ops'])} ops, {_fmt_b(old_all['bytes'])}, {_fmt_s(old_all['s'])} "
+                f"(vs {_fmt_n(now_all['ops'])}, {_fmt_b(now_all['bytes'])}, {_fmt_s(now_all['s'])})",
             ]
         )
     out.append(
@@ -1080,6 +1120,7 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
                 "commit by copy-and-delete 'rename'",
                 "[earlier] verdict carries the marker to W-1 ranks: bytes, link time (vs store bytes now, tier 2)",
                 "[earlier] failed restore round, W^2 checks (vs one rank failing now)",
+                "[earlier] a candidate every rank fails, W x W reason lines: ops, bytes, time (vs now)",
             ],
             rows,
         )
