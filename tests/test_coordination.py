@@ -115,21 +115,35 @@ def test_rank_0_dead_others_give_up_within_twice_the_timeout(store: Any) -> None
 
 def test_restore_agreement_picks_the_newest_step_every_rank_can_read(store: Any) -> None:
     cs = coordinators(store, 3)
+    baseline = store.num_keys()
     have = [[10, 20, 30], [10, 20], [10, 20, 30]]
     shared = [5, 10]
     results = run_ranks(
         [lambda c=c, h=h: c.agree_candidates(h, lambda: shared, None) for c, h in zip(cs, have, strict=True)]
     )
     assert results == [[20, 10, 5]] * 3  # 30 is missing on rank 1's node and not on tier 2
-    results = run_ranks(
-        [lambda c=c, h=h: c.agree_candidates(h, lambda: shared, 30) for c, h in zip(cs, have, strict=True)]
-    )
-    assert results == [[]] * 3
     # Outcome of a round: one rank failing sends everyone to the next candidate.
     outcomes = run_ranks([lambda c=c: c.agree_outcome(0, c.rank != 1, "checksum mismatch") for c in cs])
     assert outcomes == [(False, "rank 1: checksum mismatch", False)] * 3
     outcomes = run_ranks([lambda c=c: c.agree_outcome(1, True) for c in cs])
     assert outcomes == [(True, "", False)] * 3
+    run_ranks([lambda c=c: c.finish_restore(2) for c in cs])
+    assert store.num_keys() == baseline  # the restore's keys are gone
+    results = run_ranks(
+        [lambda c=c, h=h: c.agree_candidates(h, lambda: shared, 30) for c, h in zip(cs, have, strict=True)]
+    )
+    assert results == [[]] * 3
+    run_ranks([lambda c=c: c.finish_restore(0) for c in cs])
+    assert store.num_keys() == baseline
+
+
+def test_restore_reasons_stay_few_when_every_rank_fails(store: Any) -> None:
+    cs = coordinators(store, 6)
+    run_ranks([lambda c=c: c.agree_candidates([1], list, None) for c in cs])
+    outcomes = run_ranks([lambda c=c: c.agree_outcome(0, False, f"bad {c.rank}", fatal=c.rank == 5) for c in cs])
+    for ok, why, stop in outcomes:
+        assert not ok and stop  # one rank gave up: everyone stops
+        assert why.count("rank ") == 3 and why.endswith("(and 3 more ranks)")
 
 
 def test_ranges() -> None:

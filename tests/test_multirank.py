@@ -318,8 +318,6 @@ def test_ddp_example_under_torchrun_resumes_with_identical_losses(env: dict[str,
     # The Checkpointer picks rank and world size up from torchrun's process group unchanged;
     # the demo SIGKILLs rank 1 mid-save, restarts, and compares every loss with a clean run.
     demo = Path(__file__).resolve().parent.parent / "examples" / "run_ddp_demo.sh"
-    proc = subprocess.run(
-        ["bash", str(demo)], env={**os.environ, **env}, capture_output=True, text=True, timeout=240
-    )
+    proc = subprocess.run(["bash", str(demo)], env={**os.environ, **env}, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS" in proc.stdout

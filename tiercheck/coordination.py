@@ -24,12 +24,12 @@ instead of hanging them. The protocol, per step and tier (keys under
 Waits poll with backoff (2 ms up to 50 ms per 1000 ranks, at most 1 s), each bounded by
 the timeout: rank 0 waits that long for the reports, the others twice that for the verdict.
 
-Restore agreement (keys under ``g<generation>/restore/``): each rank publishes the steps
-its own tier 1 holds; rank 0 adds what the shared tier 2 holds and publishes the
-candidates, newest first, that every rank can read (tier 2, or tier 1 on every rank's
-node); then all ranks try candidates in order, each counting its outcome in ``r<i>/n``
-and failures in ``r<i>/bad`` (the first three failing ranks append their reason to
-``r<i>/why``), until one verifies on every rank.
+Restore agreement (keys under ``g<generation>/restore/``, deleted once every rank is done):
+each rank publishes the steps its own tier 1 holds; rank 0 adds what the shared tier 2
+holds and publishes the candidates, newest first, that every rank can read (tier 2, or
+tier 1 on every rank's node); then all ranks try candidates in order, each counting its
+outcome in ``r<i>/n`` and failures in ``r<i>/bad`` (the first three failing ranks append
+their reason to ``r<i>/why``), until one verifies on every rank.
 """
 
 from __future__ import annotations
@@ -294,6 +294,7 @@ class Coordinator:
             self._op(lambda s: s.set(f"{base}plan", plan))
         self._poll(lambda: self._has(f"{base}plan"), deadline + self.timeout, "rank 0's restore plan")
         doc = json.loads(self._get(f"{base}plan"))
+        self._delete([f"{base}have/{self.rank}"])  # rank 0 has read it: the plan is out
         if "error" in doc:
             raise CoordinationError(f"rank 0 could not plan the restore: {doc['error']}")
         return [int(s) for s in doc["candidates"]]
@@ -321,6 +322,15 @@ class Coordinator:
         if bad > len(reports):
             first += f" (and {bad - len(reports)} more ranks)"
         return False, first, self._count(f"{base}fatal") > 0
+
+    def finish_restore(self, rounds: int) -> None:
+        """Done with this restore after `rounds` outcome rounds; the last rank deletes its keys."""
+        base = f"g{self.generation}/restore/"
+        if self._op(lambda s: s.add(f"{base}ack", 1)) < self.world_size:
+            return
+        keys = [f"{base}{k}" for k in ("n", "plan", "ack")]
+        keys += [f"{base}r{i}/{k}" for i in range(rounds) for k in ("n", "bad", "fatal", "why")]
+        self._delete(keys)
 
 
 def _delete_key(store: Any, key: str) -> None:

@@ -683,9 +683,28 @@ def restore_collective(
 
     candidates = coord.agree_candidates(mine, shared, step)
     if not candidates:
+        coord.finish_restore(0)
         if step is not None:
             raise NoCheckpointError(f"step {step} is not committed on every rank's tiers (rank {rank}: {mine})")
         return None
+    try:
+        return _agree_on_a_step(coord, local, remote, template, step, rank, world_size, mine, candidates)
+    finally:
+        coord.finish_restore(len(candidates))
+
+
+def _agree_on_a_step(
+    coord: Coordinator,
+    local: Tier | None,
+    remote: Tier | None,
+    template: object,
+    step: int | None,
+    rank: int,
+    world_size: int,
+    mine: list[int],
+    candidates: list[int],
+) -> Restored:
+    """Try `candidates` in order until one verifies on every rank (see `restore_collective`)."""
     failures: list[str] = []
     for i, s in enumerate(candidates):
         tiers = [t for t in (local, remote) if t is not None and (t is not local or s in mine)]
