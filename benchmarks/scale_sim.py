@@ -13,10 +13,14 @@ store (a torch TCPStore: one server thread, which every rank talks to):
   latency the protocol adds after the slowest rank's part is durable (until COMMIT is
   visible, until every rank knows it, until the last rank's `_commit` returns, which
   includes deleting the step's shared keys);
-* restore discovery: agreeing on the candidate steps (rank 0 lists tier 2 once) and
-  reading the first candidate's COMMIT and manifest from tier 2, and the cost of a
-  candidate that some rank cannot read (failing ranks count themselves in `r<i>/bad`,
-  the first three append their reason to `r<i>/why`);
+* restore discovery: agreeing on the candidate steps (rank 0 lists tier 2 once; each
+  rank deletes its own `have/<rank>` once it has the plan) and reading the first
+  candidate's COMMIT and manifest from tier 2; the store operations of a whole restore
+  of the newest step, the clean-up included (every rank adds to `ack`, the last deletes
+  `n`, `plan`, `ack` and four keys per candidate in the plan, one by one); and the cost
+  of a candidate that some rank cannot read (failing ranks count themselves in
+  `r<i>/bad`, the first three append their reason to `r<i>/why`, and the last rank
+  deletes the candidate's four keys at the end);
 * replicated keys with a node-local tier 1 and a tier 2 (closed form, per node): every
   node writes its own copy to tier 1, rank 0's node uploads the one copy tier 2 gets,
   and a restore from tier 1 reads nothing from tier 2, against the earlier placement
@@ -601,10 +605,15 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
 
     restore_collective: every rank lists its tier 1 and publishes it (set + add); rank 0
     waits for all, lists tier 2 once, multi_gets the W lists, sets the plan; the others
-    poll for the plan (backoff) and get it. Then each rank GETs COMMIT, GETs its manifest,
-    HEADs its shard, and reads the shard in 64 MiB ranged GETs; outcome agreement costs
-    each rank two store ops (add r<i>/n, read r<i>/bad) and polls when every rank read
-    the candidate (see failed_round for one that some rank could not read)."""
+    poll for the plan (backoff), get it and delete their own `have/<rank>` (rank 0 too).
+    Then each rank GETs COMMIT, GETs its manifest, HEADs its shard, and reads the shard in
+    64 MiB ranged GETs; outcome agreement costs each rank two store ops (add r<i>/n, read
+    r<i>/bad) and polls when every rank read the candidate (see failed_round for one that
+    some rank could not read). At the end (finish_restore) every rank adds to `ack`, and
+    the last deletes n, plan, ack and r<i>/n, bad, fatal, why for every candidate in the
+    plan (tried or not), one by one. On fresh nodes the plan's candidates are the steps on
+    tier 2. Store operations: planning 4W + ceil(W/1024) + 1, one round every rank passes
+    2W, clean-up W + 3 + 4C for C candidates; polls not counted."""
     service = 1.0 / a.store_ops
     rtt = a.store_rtt_ms / 1e3
     bps = a.store_mbps * 1e6
@@ -617,7 +626,7 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
     detect = _first_check_after(publish, a.poll_min_ms / 1e3, z, rtt)
     plan_bytes = 14 * max(a.keep_remote, 1)
     gets = math.ceil(world / MULTI_GET_BATCH) * op + world * 16 * max(a.keep_remote, 1) / bps
-    fanout = max(z, world * (service + plan_bytes / bps))
+    fanout = max(z, world * (2 * service + plan_bytes / bps))  # W gets of the plan, W deletes of `have`
     get_s = lognormal_mean(a.get_p50_ms, a.get_sigma) / 1e3
     bw = a.rank_mbps * 1e6
     meta_rank = 2 * get_s + m / bw + a.manifest_kib * 1024 / bw + get_s  # COMMIT, manifest, HEAD
@@ -627,6 +636,8 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
     data_rank = n_reads * (get_s + a.read_mib * MiB / bw)
     data_floor = world * n_reads / a.get_rate
     out["meta_get_requests"] = 3 * world
+    plan_ops = 4 * world + math.ceil(world / MULTI_GET_BATCH) + 1  # set have, add n, get plan, delete have
+    out["plan_ops"] = plan_ops
     for label, failing in (("one", 1), ("all", world)):
         out[f"failed_{label}"] = failed_round(world, failing, a)
     # [earlier design] every rank checked every rank's `why/<r>` key, one `check` each.
@@ -651,11 +662,15 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
             "list_requests": pages,
             "listing_s": listing,
             "listing_fails": fails,
-            "plan_s": publish + detect + listing + gets + op + fanout,
+            "plan_s": publish + detect + listing + gets + op + fanout + op,  # the last: a rank's delete
             "every_rank_list_requests": world * pages,
             "every_rank_list_s": every,
         }
         d["discovery_s"] = d["plan_s"] + meta
+        # A restore of the newest step: the plan, one round every rank passes, finish_restore.
+        d["cleanup_deletes"] = 3 + 4 * kept  # n, plan, ack; r<i>/n, bad, fatal, why per candidate
+        d["cleanup_s"] = world * service + rtt + d["cleanup_deletes"] * (rtt + service)
+        d["restore_ops"] = plan_ops + 2 * world + world + d["cleanup_deletes"]
         out[label] = d
     out["max_steps_listable"] = (
         int(a.remote_timeout_s * 1e3 / a.list_page_ms) * LIST_PAGE_KEYS // objects_per_step(world)
@@ -669,18 +684,21 @@ def failed_round(world: int, failing: int, a: Assumptions, fatal: int = 0) -> di
     failing rank adds 1 to r<i>/bad (and to r<i>/fatal if fatal); the first REASONS_KEPT
     of them append one JSON line to r<i>/why; every rank adds to r<i>/n, polls it until it
     reaches W, reads r<i>/bad, then gets r<i>/why (at most REASONS_KEPT lines) and reads
-    r<i>/fatal. Operations and bytes grow as W, whatever the number of failing ranks.
+    r<i>/fatal. At the end of the restore the last rank deletes the candidate's four keys
+    (r<i>/n, bad, fatal, why), one by one: 4W + F + min(F, 3) + 4 operations for F
+    failing ranks (2W + 4 for a round every rank passes), growing as W, whatever F.
     Polls not counted; the time is the store's busy time (thread or link, whichever is
     longer) plus the round trips of a failing rank that records its reason (add bad,
-    append, add n; read bad, get why, read fatal)."""
+    append, add n; read bad, get why, read fatal) and of the last rank's four deletes."""
     kept = min(failing, REASONS_KEPT)
     line = why_line_bytes(world, a)
+    deletes = 4  # finish_restore: r<i>/n, bad, fatal, why
     if failing:
-        ops = failing + fatal + kept + 4 * world
+        ops = failing + fatal + kept + 4 * world + deletes
         sent = world * kept * line
-        trips = 6 + (1 if fatal else 0)
+        trips = 6 + (1 if fatal else 0) + deletes
     else:
-        ops, sent, trips = 2 * world, 0, 2
+        ops, sent, trips = 2 * world + deletes, 0, 2 + deletes
     busy = max(ops / a.store_ops, sent / (a.store_mbps * 1e6))
     return {"ops": ops, "bytes": sent, "s": busy + trips * a.store_rtt_ms / 1e3}
 
@@ -825,7 +843,7 @@ def ratios(world: int, a: Assumptions) -> dict[str, float]:
         "job store ops under backoff polling": world / (poll_max_s(world, a) + rtt) / a.store_ops,
         "node-local tier 1: marker sent to the L-1 other leaders, >1 s": (leaders - 1) * m / bps,
         "node-local tier 1: the last rank deletes L+4 shared keys one by one, >1 s": cleanup,
-        f"a restore candidate every rank fails: 5W + {k} store ops, {k} reason lines per rank, >1 s": failed_all,
+        f"a restore candidate every rank fails: 5W + {k + 4} store ops, {k} reason lines per rank, >1 s": failed_all,
         f"tier-2 listing with {a.accumulated} steps kept vs remote_timeout": listing_acc / a.remote_timeout_s,
         f"COMMIT size vs the reader's {MAX_MARKER_BYTES >> 20} MiB limit": m / MAX_MARKER_BYTES,
         "[earlier design] verdict carried the marker to W-1 ranks, >1 s": old_verdict_bytes(world, a) / bps,
@@ -1052,6 +1070,7 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
                 _fmt_n(r["W"]),
                 f"{_fmt_n(k['list_requests'])} ({_fmt_s(k['listing_s'])})",
                 _fmt_s(k["discovery_s"]),
+                f"{_fmt_n(k['restore_ops'])} ({_fmt_n(k['cleanup_deletes'])} deletes, {_fmt_s(k['cleanup_s'])})",
                 f"{_fmt_n(acc['list_requests'])} ({_fmt_s(acc['listing_s'])})"
                 + (" **> remote_timeout: fails**" if acc["listing_fails"] else ""),
                 _fmt_n(x["max_steps_listable"]),
@@ -1069,6 +1088,7 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
                 "W",
                 f"rank 0 LIST requests, {a.keep_remote} steps kept",
                 "discovery (plan + COMMIT/manifest reads)",
+                "store ops, restore of the newest step (clean-up: the last rank's deletes; time from the acks)",
                 f"LIST requests, {a.accumulated} steps (keep_remote=None)",
                 "steps listable within remote_timeout",
                 "GET/HEAD for COMMIT, manifest, shard size",
@@ -1081,10 +1101,16 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
     )
     out += [
         "",
+        "Store ops of a restore (polls not counted): the plan (each rank sets `have/<rank>`, adds to `n`, gets "
+        "`plan` and deletes its `have/<rank>`; rank 0 fetches the lists and sets `plan`), one round every rank "
+        f"passes (`add r<i>/n`, read `r<i>/bad`), and the clean-up: every rank adds to `ack`, the last deletes "
+        f"`n`, `plan`, `ack` and 4 keys for each of the {a.keep_remote} candidates, one by one "
+        f"({3 + 4 * a.accumulated} deletes with {a.accumulated} steps on tier 2). "
         "Failed candidate: each failing rank adds to `r<i>/bad` and the first "
         f"{REASONS_KEPT} append a line to `r<i>/why`; then every rank adds to `r<i>/n`, reads `r<i>/bad`, gets "
-        f"`r<i>/why` (at most {REASONS_KEPT} lines) and reads `r<i>/fatal` (polls not counted); reasons of "
-        f"{a.reason_chars} characters; no rank gives up (each that does adds one `add r<i>/fatal`).",
+        f"`r<i>/why` (at most {REASONS_KEPT} lines) and reads `r<i>/fatal`, and at the end the last rank deletes "
+        f"the candidate's 4 keys; reasons of {a.reason_chars} characters; no rank gives up (each that does adds "
+        "one `add r<i>/fatal`).",
         "",
         "#### Designs tiercheck avoids (same assumptions)",
         "",

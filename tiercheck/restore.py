@@ -687,10 +687,11 @@ def restore_collective(
         if step is not None:
             raise NoCheckpointError(f"step {step} is not committed on every rank's tiers (rank {rank}: {mine})")
         return None
+    tried = [0]  # outcome rounds run: their keys are deleted at the end
     try:
-        return _agree_on_a_step(coord, local, remote, template, step, rank, world_size, mine, candidates)
+        return _agree_on_a_step(coord, local, remote, template, step, rank, world_size, mine, candidates, tried)
     finally:
-        coord.finish_restore(len(candidates))
+        coord.finish_restore(tried[0])
 
 
 def _agree_on_a_step(
@@ -703,10 +704,12 @@ def _agree_on_a_step(
     world_size: int,
     mine: list[int],
     candidates: list[int],
+    tried: list[int],
 ) -> Restored:
     """Try `candidates` in order until one verifies on every rank (see `restore_collective`)."""
     failures: list[str] = []
     for i, s in enumerate(candidates):
+        tried[0] = i + 1
         tiers = [t for t in (local, remote) if t is not None and (t is not local or s in mine)]
         produce: Producer | None = None
         why = ""
