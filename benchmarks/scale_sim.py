@@ -17,10 +17,10 @@ store (a torch TCPStore: one server thread, which every rank talks to):
   rank deletes its own `have/<rank>` once it has the plan) and reading the first
   candidate's COMMIT and manifest from tier 2; the store operations of a whole restore
   of the newest step, the clean-up included (every rank adds to `ack`, the last deletes
-  `n`, `plan`, `ack` and four keys per candidate in the plan, one by one); and the cost
-  of a candidate that some rank cannot read (failing ranks count themselves in
-  `r<i>/bad`, the first three append their reason to `r<i>/why`, and the last rank
-  deletes the candidate's four keys at the end);
+  `n`, `plan`, `ack` and four keys per candidate tried, one by one: 7 deletes, however
+  many steps tier 2 holds); and the cost of a candidate that some rank cannot read
+  (failing ranks count themselves in `r<i>/bad`, the first three append their reason to
+  `r<i>/why`, and the last rank deletes the candidate's four keys at the end);
 * replicated keys with a node-local tier 1 and a tier 2 (closed form, per node): every
   node writes its own copy to tier 1, rank 0's node uploads the one copy tier 2 gets,
   and a restore from tier 1 reads nothing from tier 2, against the earlier placement
@@ -610,10 +610,12 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
     64 MiB ranged GETs; outcome agreement costs each rank two store ops (add r<i>/n, read
     r<i>/bad) and polls when every rank read the candidate (see failed_round for one that
     some rank could not read). At the end (finish_restore) every rank adds to `ack`, and
-    the last deletes n, plan, ack and r<i>/n, bad, fatal, why for every candidate in the
-    plan (tried or not), one by one. On fresh nodes the plan's candidates are the steps on
-    tier 2. Store operations: planning 4W + ceil(W/1024) + 1, one round every rank passes
-    2W, clean-up W + 3 + 4C for C candidates; polls not counted."""
+    the last deletes n, plan, ack and r<i>/n, bad, fatal, why for each candidate tried
+    (the rounds run, not the plan's length), one by one. The newest step is the first
+    candidate, so its restore deletes 3 + 4 = 7 keys however many steps tier 2 holds
+    (with no candidate at all, 3). Store operations: planning 4W + ceil(W/1024) + 1, one
+    round every rank passes 2W, clean-up W + 3 + 4T for T candidates tried; polls not
+    counted."""
     service = 1.0 / a.store_ops
     rtt = a.store_rtt_ms / 1e3
     bps = a.store_mbps * 1e6
@@ -667,8 +669,9 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
             "every_rank_list_s": every,
         }
         d["discovery_s"] = d["plan_s"] + meta
-        # A restore of the newest step: the plan, one round every rank passes, finish_restore.
-        d["cleanup_deletes"] = 3 + 4 * kept  # n, plan, ack; r<i>/n, bad, fatal, why per candidate
+        # A restore of the newest step: the plan, one round every rank passes, finish_restore
+        # for that one round tried (not the `kept` candidates in the plan).
+        d["cleanup_deletes"] = 3 + 4 * 1  # n, plan, ack; r<i>/n, bad, fatal, why per candidate tried
         d["cleanup_s"] = world * service + rtt + d["cleanup_deletes"] * (rtt + service)
         d["restore_ops"] = plan_ops + 2 * world + world + d["cleanup_deletes"]
         out[label] = d
@@ -1103,9 +1106,10 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
         "",
         "Store ops of a restore (polls not counted): the plan (each rank sets `have/<rank>`, adds to `n`, gets "
         "`plan` and deletes its `have/<rank>`; rank 0 fetches the lists and sets `plan`), one round every rank "
-        f"passes (`add r<i>/n`, read `r<i>/bad`), and the clean-up: every rank adds to `ack`, the last deletes "
-        f"`n`, `plan`, `ack` and 4 keys for each of the {a.keep_remote} candidates, one by one "
-        f"({3 + 4 * a.accumulated} deletes with {a.accumulated} steps on tier 2). "
+        "passes (`add r<i>/n`, read `r<i>/bad`), and the clean-up: every rank adds to `ack`, the last deletes "
+        "`n`, `plan`, `ack` and 4 keys for each candidate tried (here the first, the newest step), one by one: "
+        f"{results[0]['restore']['kept']['cleanup_deletes']} deletes, with {a.keep_remote} steps on tier 2 as with "
+        f"{a.accumulated}. "
         "Failed candidate: each failing rank adds to `r<i>/bad` and the first "
         f"{REASONS_KEPT} append a line to `r<i>/why`; then every rank adds to `r<i>/n`, reads `r<i>/bad`, gets "
         f"`r<i>/why` (at most {REASONS_KEPT} lines) and reads `r<i>/fatal`, and at the end the last rank deletes "
