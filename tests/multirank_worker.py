@@ -102,7 +102,12 @@ def zero(state: dict[str, Any]) -> None:
 
 
 def tiers(root: str, rank: int, layout: str) -> dict[str, Any]:
-    local = f"{root}/shared" if layout == "shared" else f"{root}/node{rank}"
+    if layout == "shared":
+        local = f"{root}/shared"
+    elif layout == "pairs":  # two ranks per "node"
+        local = f"{root}/node{rank // 2}"
+    else:
+        local = f"{root}/node{rank}"
     if os.environ.get("MR_NO_REMOTE"):
         return {"local": local}
     return {"local": local, "remote": f"file://{root}/remote"}

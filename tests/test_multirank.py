@@ -321,3 +321,29 @@ def test_ddp_example_under_torchrun_resumes_with_identical_losses(env: dict[str,
     proc = subprocess.run(["bash", str(demo)], env={**os.environ, **env}, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS" in proc.stdout
+
+
+def test_two_nodes_of_two_ranks_each_node_holds_a_copy_and_tier2_one(tmp_path: Path) -> None:
+    # The real multi-node shape: ranks 0-1 share node0's disk, ranks 2-3 node1's.
+    world = 4
+    results, _ = run_job("roundtrip", world, tmp_path, env={"MR_LAYOUT": "pairs"})
+    for res in results:
+        assert res is not None and res["restored_step"] == 30 and res["restored"] == res["saved"]
+        assert not res["warnings"], res["warnings"]  # every node restored from its own disk
+
+    def owners(step_dir: Path, ranks: range) -> dict[str, list[int]]:
+        held: dict[str, list[int]] = {"model": [], "optimizer": []}
+        for r in ranks:
+            m = json.loads((step_dir / layout.manifest_name(r, world)).read_text())
+            for k, v in zip(m["tree"]["k"], m["tree"]["v"], strict=True):
+                if k[1] in held and v["t"] != "replica":
+                    held[k[1]].append(r)
+        return held
+
+    # Each node's directory: one copy, spread over its two ranks; one marker.
+    for node, ranks in (("node0", range(0, 2)), ("node1", range(2, 4))):
+        held = owners(tmp_path / node / "step-000000000030", ranks)
+        assert sorted(r for v in held.values() for r in v) == list(ranks), (node, held)
+    # Tier 2: one copy, uploaded by the ranks of rank 0's node; the others' parts retargeted.
+    held = owners(tmp_path / "remote" / "step-000000000030", range(world))
+    assert sorted(r for v in held.values() for r in v) == [0, 1], held
