@@ -336,33 +336,36 @@ class Pipeline:
         coord = group.coord
         writer.publish_part()
         self._first_report(step, tier.name)
-        coord.report(
-            step,
-            tier.name,
-            PartReport(
-                coord.rank, {"name": ref.file, "length": ref.length, "checksum": ref.checksum}, None, assignment
-            ),
-        )
         try:
+            coord.report(
+                step,
+                tier.name,
+                PartReport(
+                    coord.rank, {"name": ref.file, "length": ref.length, "checksum": ref.checksum}, None, assignment
+                ),
+            )
             if coord.rank == 0:
                 body = coord.decide(step, tier.name, lambda refs: _job_marker(marker, refs))
             else:
                 body = coord.verdict(step, tier.name, want_marker=group.leads(tier.name))
-            try:  # the verdict is "ok": from here on, this part is in a committed step
-                coord.forget_part(step, tier.name)
-                if group.leads(tier.name):
-                    try:
-                        tier.write_marker(step, body)
-                    except Exception as exc:
-                        coord.marked(step, tier.name, f"{type(exc).__name__}: {exc}")
-                        raise
-                    coord.marked(step, tier.name)
-                else:
-                    coord.wait_marked(step, tier.name, group.leader[tier.name])
-            except CoordinationError:
-                raise
-            except Exception as exc:  # keep the part: other directories' markers list it
-                raise CoordinationError(f"step {step} was committed, but: {type(exc).__name__}: {exc}") from exc
+            # The verdict is "ok": from here on, this part is in a committed step.
+            coord.forget_part(step, tier.name)
+            if group.leads(tier.name):
+                try:
+                    tier.write_marker(step, body)
+                except Exception as exc:
+                    coord.marked(step, tier.name, f"{type(exc).__name__}: {exc}")
+                    raise
+                coord.marked(step, tier.name)
+            else:
+                coord.wait_marked(step, tier.name, group.leader[tier.name])
+        except CoordinationError:
+            raise
+        except Exception as exc:
+            # A store or marker error once the part is published: whether the step commits
+            # is not settled here (rank 0, or another directory's leader, may commit it), so
+            # the part stays; if no marker ever lists it, retention removes it.
+            raise CoordinationError(f"step {step} on tier {tier.name!r}: {type(exc).__name__}: {exc}") from exc
         finally:
             try:
                 coord.acknowledge(step, tier.name, group.leaders[tier.name])
