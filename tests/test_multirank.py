@@ -311,6 +311,14 @@ def test_newest_step_only_on_node_local_tier1_restores_from_tier1(tmp_path: Path
     restored, _ = run_job("restore_only", 2, tmp_path, env={"MR_KEYS": "model,optimizer,shard,rng,position"})
     for res in restored:
         assert res is not None and res["restored_step"] == 30 and not res["warnings"], res
+    # At start-up the job agreed to upload step 30, which the earlier run never did: tier 2
+    # has it again, with one copy of the replicated keys (rank 0's), verified.
+    assert committed(tmp_path / "remote") == [10, 20, 30]
+    step_dir = tmp_path / "remote" / "step-000000000030"
+    trees = [json.loads((step_dir / layout.manifest_name(r, 2)).read_text())["tree"] for r in range(2)]
+    assert [v["t"] for v in trees[0]["v"][:2]] == ["stateful", "stateful"]
+    assert trees[1]["v"][:2] == [{"t": "replica", "r": 0}, {"t": "replica", "r": 0}]
+    assert cli(["verify", f"file://{tmp_path}/remote", "--step", "30"]) == 0
 
 
 @pytest.mark.parametrize("env", [{}, {"PER_RANK": "1", "REMOTE": "1"}], ids=["shared-dir", "node-local+tier2"])

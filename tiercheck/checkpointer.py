@@ -28,7 +28,7 @@ from .handle import DrainReport, SaveHandle, WaitTimeoutError
 from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
 from .restore import restore_collective, restore_from
-from .retarget import Key
+from .retarget import Key, balance
 from .retention import RetentionPolicy, as_policy
 from .retry import RetryPolicy
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
@@ -626,15 +626,7 @@ class Checkpointer:
 
 
 def _balance(keys: list[Any], nbytes: Mapping[object, int], ranks: Iterable[int]) -> dict[object, int]:
-    """Spread `keys` over `ranks`, largest first, each to the least loaded rank (ties: the
-    lowest rank). Deterministic: every rank computes the same answer."""
-    load = dict.fromkeys(ranks, 0)
-    owners: dict[object, int] = {}
-    for k in sorted(keys, key=lambda k: (-nbytes[k], repr(_encode_key(k)))):
-        r = min(load, key=lambda r: (load[r], r))
-        owners[k] = r
-        load[r] += nbytes[k]
-    return owners
+    return balance(keys, nbytes, ranks, lambda k: repr(_encode_key(k)))
 
 
 def _nbytes(flat: FlatState) -> int:

@@ -323,6 +323,33 @@ class Coordinator:
             first += f" (and {bad - len(reports)} more ranks)"
         return False, first, self._count(f"{base}fatal") > 0
 
+    def agree_catch_up(self, mine: Sequence[int], shared: Callable[[], list[int]]) -> int | None:
+        """At start-up: the newest step every rank's tier 1 holds, if tier 2 lacks it and holds
+        nothing newer (an earlier run committed it but never uploaded it); None otherwise.
+        Collective, like the join; rank 0 alone lists tier 2 and decides."""
+        base = "catchup/"
+        self._op(lambda s: s.set(f"{base}have/{self.rank}", json.dumps(sorted(mine))))
+        self._op(lambda s: s.add(f"{base}n", 1))
+        deadline = time.monotonic() + self.timeout
+        if self.rank == 0:
+            plan = -1
+            try:
+                self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, "every rank's steps")
+                common: set[int] | None = None
+                for v in self._get_many([f"{base}have/{r}" for r in range(self.world_size)]):
+                    have = set(json.loads(v))
+                    common = have if common is None else common & have
+                if common:
+                    newest, on_shared = max(common), shared()
+                    if not on_shared or max(on_shared) < newest:
+                        plan = newest
+            finally:
+                self._op(lambda s: s.set(f"{base}plan", str(plan)))
+        self._poll(lambda: self._has(f"{base}plan"), deadline + self.timeout, "rank 0's catch-up plan")
+        self._delete([f"{base}have/{self.rank}"])
+        step = int(self._get(f"{base}plan"))
+        return None if step < 0 else step
+
     def finish_restore(self, rounds: int) -> None:
         """Done with this restore after `rounds` outcome rounds; the last rank deletes its keys."""
         base = f"g{self.generation}/restore/"

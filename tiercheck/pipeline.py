@@ -46,8 +46,8 @@ from .manifest import (
 )
 from .planner import ShardPlan
 from .priority import lower_current_thread
-from .restore import verify_files
-from .retarget import Key, Retargeted, region_chunks, retarget
+from .restore import MissingManifestError, read_manifest, read_marker, verify_files
+from .retarget import Key, Retargeted, balance, region_chunks, replicated_sizes, retarget
 from .retention import KeepAll, RetentionPolicy, plan_deletions
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
 from .state import FlatState, JsonNode, Leaf
@@ -202,8 +202,7 @@ class Pipeline:
         self._stager = _Worker("tiercheck-stager", self._run_stage, self._idle)
         self._writer = _Worker("tiercheck-writer", self._run_local, self._idle, low_priority) if local else None
         self._uploader = _Worker("tiercheck-uploader", self._run_remote, self._idle, low_priority) if remote else None
-        if local is not None and remote is not None and group is None:
-            # (multi-rank: ranks would have to agree on it; restore reads tier 1 anyway)
+        if local is not None and remote is not None:
             self._uploader_put(_CatchUp())
 
     # -- caller side -------------------------------------------------------------
@@ -509,6 +508,9 @@ class Pipeline:
     def _catch_up(self, tier: Tier) -> None:
         """Upload the newest tier-1 step if an earlier run committed it but never uploaded it."""
         assert self.local is not None
+        if self._group is not None:
+            self._catch_up_job(tier)
+            return
         try:
             local_steps = self.local.committed_steps()
             if not local_steps:
@@ -525,6 +527,51 @@ class Pipeline:
                 return  # this session already saves that step or a newer one
         logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", newest)
         self._uploader_put(_Upload(newest, 0, None))
+
+    def _catch_up_job(self, tier: Tier) -> None:
+        """`_catch_up` for a job: rank 0 picks the step (the newest on every rank's tier 1, if
+        tier 2 has nothing as new) and every rank uploads its part of it."""
+        assert self.local is not None and self._group is not None
+        try:
+            mine = self.local.committed_steps()
+        except OSError:
+            mine = []
+        try:
+            step = self._group.coord.agree_catch_up(mine, tier.committed_steps)
+        except Exception as exc:
+            logger.warning("tiercheck: no catch-up upload at start-up: %r", exc)
+            return
+        if step is None:
+            return
+        owners: dict[Key, int] = {}
+        if self._group.node_local:  # tier 2 gets one copy of the replicated keys, as for any step
+            try:
+                owners = self._uploaders_of(step)
+            except Exception as exc:
+                logger.warning("tiercheck: no catch-up upload of step %d: %r", step, exc)
+                return
+        logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", step)
+        self._uploader_put(_Upload(step, self._group.rank, None, tuple(owners.items())))
+
+    def _uploaders_of(self, step: int) -> dict[Key, int]:
+        """Who uploads each replicated key of a tier-1 step (node-local tier 1): the same
+        placement `Checkpointer` computes from the live state, here from the manifests of
+        this directory, which hold one full copy."""
+        assert self.local is not None and self._group is not None
+        marker = read_marker(self.local, step)
+        manifests = []
+        for r in self._group.members:
+            try:
+                manifests.append(read_manifest(self.local, step, r, marker))
+            except MissingManifestError:
+                continue
+        if not manifests or not manifests[0].replicated:
+            return {}
+        sizes = replicated_sizes(manifests)
+        keys = manifests[0].replicated
+        if set(sizes) != set(keys):
+            raise ValueError(f"step {step}: this directory does not hold every replicated key")
+        return balance(keys, sizes, self._group.first_members, lambda k: repr(list(k)))
 
     def _copy_from_local(self, step: int, rank: int, owners: dict[Key, int]) -> None:
         src, dst = self.local, self.remote

@@ -10,7 +10,7 @@ order. Checksums stay valid: they cover each entry's bytes, which do not change.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,3 +110,30 @@ def region_chunks(
         pos = new + n
     if length > pos:
         yield bytes(length - pos)
+
+
+def balance(
+    keys: Iterable[Hashable], nbytes: Mapping[Any, int], ranks: Iterable[int], name: Callable[[Any], str]
+) -> dict[Any, int]:
+    """Spread `keys` over `ranks`, largest first (ties by `name`), each to the least loaded
+    rank (ties: the lowest). Deterministic: every rank computes the same answer."""
+    load = dict.fromkeys(ranks, 0)
+    owners: dict[Any, int] = {}
+    for k in sorted(keys, key=lambda k: (-nbytes[k], name(k))):
+        r = min(load, key=lambda r: (load[r], r))
+        owners[k] = r
+        load[r] += nbytes[k]
+    return owners
+
+
+def replicated_sizes(manifests: Iterable[Manifest]) -> dict[Key, int]:
+    """The bytes of each replicated key, from the manifests that hold it (not as a replica):
+    what `Checkpointer` measured from the live state when it placed the keys."""
+    sizes: dict[Key, int] = {}
+    for m in manifests:
+        for k, v in zip(m.tree["k"], m.tree["v"], strict=True):
+            key = (k[0], k[1])
+            if key in m.replicated and v["t"] != "replica":
+                regions = {(m.entries[i].offset, m.entries[i].length) for i in _entry_refs(v)}
+                sizes[key] = sum(n for _, n in regions)
+    return sizes
