@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import CheckpointCorruptedError, TiercheckError
-from .manifest import Manifest, Marker
-from .restore import MissingManifestError, read_manifest, read_marker, verify_files
+from .manifest import Manifest
+from .restore import present_manifests, read_marker, verify_files
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for step in steps:
             try:
                 marker = read_marker(tier, step)
-                manifests = _present_manifests(tier, step, marker)
+                manifests = list(present_manifests(tier, step, marker))
                 size = sum(f.size_on_tier for m in manifests for f in m.files)
                 entries = sum(len(m.entries) for m in manifests)
                 print(
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for step in targets:
         try:
             marker = read_marker(tier, step)
-            manifests = _present_manifests(tier, step, marker)
+            manifests = list(present_manifests(tier, step, marker))
             if not manifests:
                 raise CheckpointCorruptedError(f"{tier.path_of(step)}: no rank's manifest is present")
             for m in manifests:
@@ -107,18 +107,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             bad += 1
             print(f"step {step}: FAILED: {exc}")
     return 1 if bad else 0
-
-
-def _present_manifests(tier: Tier, step: int, marker: Marker) -> list[Manifest]:
-    """Every rank's manifest this tier holds, each checked against the marker (a node-local
-    directory holds only the parts of its own ranks)."""
-    found = []
-    for r in range(marker.world_size):
-        try:
-            found.append(read_manifest(tier, step, r, marker))
-        except MissingManifestError:
-            continue
-    return found
 
 
 def _ranks(manifests: list[Manifest], world: int) -> str:

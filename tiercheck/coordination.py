@@ -266,6 +266,34 @@ class Coordinator:
 
     # -- restore agreement -------------------------------------------------------------
 
+    def _plan_from_tier1(self, base: str, mine: Sequence[int], plan: Callable[[set[int]], Any], what: str) -> Any:
+        """Each rank publishes the steps its tier 1 holds; rank 0 calls `plan` with the steps
+        every rank holds and publishes its (JSON) answer, which every rank returns.
+
+        Raises:
+            CoordinationError: rank 0 could not make a plan (the reason is in the message).
+        """
+        self._op(lambda s: s.set(f"{base}have/{self.rank}", json.dumps(sorted(mine))))
+        self._op(lambda s: s.add(f"{base}n", 1))
+        deadline = time.monotonic() + self.timeout
+        if self.rank == 0:
+            try:
+                self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, "every rank to list its steps")
+                common: set[int] | None = None
+                for v in self._get_many([f"{base}have/{r}" for r in range(self.world_size)]):
+                    have = set(json.loads(v))
+                    common = have if common is None else common & have
+                doc = json.dumps({"plan": plan(common or set())})
+            except Exception as exc:
+                doc = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+            self._op(lambda s: s.set(f"{base}plan", doc))
+        self._poll(lambda: self._has(f"{base}plan"), deadline + self.timeout, f"rank 0's {what} plan")
+        answer = json.loads(self._get(f"{base}plan"))
+        self._delete([f"{base}have/{self.rank}"])  # rank 0 has read it: the plan is out
+        if "error" in answer:
+            raise CoordinationError(f"rank 0 could not plan the {what}: {answer['error']}")
+        return answer["plan"]
+
     def agree_candidates(self, mine: Sequence[int], shared: Callable[[], list[int]], step: int | None) -> list[int]:
         """Steps every rank can restore, newest first (or [step] if every rank can).
 
@@ -273,31 +301,12 @@ class Coordinator:
         reads (called on rank 0 only). Collective: every rank must call it.
         """
         self.generation += 1
-        base = f"g{self.generation}/restore/"
-        self._op(lambda s: s.set(f"{base}have/{self.rank}", json.dumps(sorted(mine))))
-        self._op(lambda s: s.add(f"{base}n", 1))
-        deadline = time.monotonic() + self.timeout
-        if self.rank == 0:
-            try:
-                self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, "every rank to list its steps")
-                on_shared = set(shared())
-                common: set[int] | None = None
-                for v in self._get_many([f"{base}have/{r}" for r in range(self.world_size)]):
-                    have = set(json.loads(v))
-                    common = have if common is None else common & have
-                feasible = sorted(on_shared | (common or set()), reverse=True)
-                if step is not None:
-                    feasible = [step] if step in feasible else []
-                plan = json.dumps({"candidates": feasible})
-            except Exception as exc:
-                plan = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-            self._op(lambda s: s.set(f"{base}plan", plan))
-        self._poll(lambda: self._has(f"{base}plan"), deadline + self.timeout, "rank 0's restore plan")
-        doc = json.loads(self._get(f"{base}plan"))
-        self._delete([f"{base}have/{self.rank}"])  # rank 0 has read it: the plan is out
-        if "error" in doc:
-            raise CoordinationError(f"rank 0 could not plan the restore: {doc['error']}")
-        return [int(s) for s in doc["candidates"]]
+
+        def plan(common: set[int]) -> list[int]:
+            feasible = sorted(set(shared()) | common, reverse=True)
+            return feasible if step is None else [step] if step in feasible else []
+
+        return [int(s) for s in self._plan_from_tier1(f"g{self.generation}/restore/", mine, plan, "restore")]
 
     def agree_outcome(self, index: int, ok: bool, reason: str = "", fatal: bool = False) -> tuple[bool, str, bool]:
         """After trying candidate `index`: did every rank succeed? Returns (everyone ok, the
@@ -327,28 +336,15 @@ class Coordinator:
         """At start-up: the newest step every rank's tier 1 holds, if tier 2 lacks it and holds
         nothing newer (an earlier run committed it but never uploaded it); None otherwise.
         Collective, like the join; rank 0 alone lists tier 2 and decides."""
-        base = "catchup/"
-        self._op(lambda s: s.set(f"{base}have/{self.rank}", json.dumps(sorted(mine))))
-        self._op(lambda s: s.add(f"{base}n", 1))
-        deadline = time.monotonic() + self.timeout
-        if self.rank == 0:
-            plan = -1
-            try:
-                self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, "every rank's steps")
-                common: set[int] | None = None
-                for v in self._get_many([f"{base}have/{r}" for r in range(self.world_size)]):
-                    have = set(json.loads(v))
-                    common = have if common is None else common & have
-                if common:
-                    newest, on_shared = max(common), shared()
-                    if not on_shared or max(on_shared) < newest:
-                        plan = newest
-            finally:
-                self._op(lambda s: s.set(f"{base}plan", str(plan)))
-        self._poll(lambda: self._has(f"{base}plan"), deadline + self.timeout, "rank 0's catch-up plan")
-        self._delete([f"{base}have/{self.rank}"])
-        step = int(self._get(f"{base}plan"))
-        return None if step < 0 else step
+
+        def plan(common: set[int]) -> int | None:
+            if not common:
+                return None
+            newest, on_shared = max(common), shared()
+            return newest if not on_shared or max(on_shared) < newest else None
+
+        step = self._plan_from_tier1("catchup/", mine, plan, "catch-up")
+        return None if step is None else int(step)
 
     def finish_restore(self, rounds: int) -> None:
         """Done with this restore after `rounds` outcome rounds; the last rank deletes its keys."""

@@ -46,7 +46,7 @@ from .manifest import (
 )
 from .planner import ShardPlan
 from .priority import lower_current_thread
-from .restore import MissingManifestError, read_manifest, read_marker, verify_files
+from .restore import present_manifests, read_marker, verify_files
 from .retarget import Key, Retargeted, balance, region_chunks, replicated_sizes, retarget
 from .retention import KeepAll, RetentionPolicy, plan_deletions
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
@@ -182,9 +182,6 @@ class Pipeline:
         self._keep = {"local": keep_local, "remote": keep_remote}
         self._backlog = upload_backlog
         self._group = group
-        # Node-local tier 1: directories hold their own copies of replicated keys, so ranks
-        # agree there on which keys are replicated, not on who holds them.
-        self._owners_differ = group is not None and group.node_local
         self._checksum_name = checksum
         self._checksum = checksum_function(checksum)
         self._lock = threading.Lock()
@@ -558,13 +555,7 @@ class Pipeline:
         placement `Checkpointer` computes from the live state, here from the manifests of
         this directory, which hold one full copy."""
         assert self.local is not None and self._group is not None
-        marker = read_marker(self.local, step)
-        manifests = []
-        for r in self._group.members:
-            try:
-                manifests.append(read_manifest(self.local, step, r, marker))
-            except MissingManifestError:
-                continue
+        manifests = list(present_manifests(self.local, step, read_marker(self.local, step), self._group.members))
         if not manifests or not manifests[0].replicated:
             return {}
         sizes = replicated_sizes(manifests)
@@ -665,7 +656,9 @@ class Pipeline:
             writer.write_file(mname, memoryview(manifest))
             ref = ManifestRef(mname, len(manifest), self._checksum(manifest))
             marker = Marker(job.step, job.world_size, self._checksum_name, ())
-            owners_agree = not (self._owners_differ and tier is self.local)
+            # Node-local tier 1: directories hold their own copies of replicated keys, so ranks
+            # agree there on which keys are replicated, not on who holds them.
+            owners_agree = not (self._group is not None and self._group.node_local and tier is self.local)
             self._commit(tier, writer, job.step, ref, marker, assignment_digest(doc, owners_agree))
         except BaseException as exc:
             for f in futures:

@@ -8,7 +8,7 @@ when the whole step verified are plain values written and `load_state_dict` call
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -453,15 +453,23 @@ def prepare_step(
     return produce
 
 
-def _first_present_manifest(tier: Tier, step: int, marker: Marker) -> Manifest:
-    """The manifest of the lowest rank whose part this tier holds (a node-local directory
-    holds only its own ranks' parts, each with that node's copy of the replicated keys)."""
-    for r in range(marker.world_size):
+def present_manifests(tier: Tier, step: int, marker: Marker, ranks: Iterable[int] | None = None) -> Iterator[Manifest]:
+    """The manifests of `ranks` (default: every rank of the step) that this tier holds, each
+    verified against the marker, lowest rank first; a node-local directory holds only the
+    parts of the ranks that share it."""
+    for r in range(marker.world_size) if ranks is None else ranks:
         try:
-            return read_manifest(tier, step, r, marker)
+            yield read_manifest(tier, step, r, marker)
         except MissingManifestError:
             continue
-    raise CheckpointCorruptedError(f"{tier.path_of(step)}: no manifest of any rank is present")
+
+
+def _first_present_manifest(tier: Tier, step: int, marker: Marker) -> Manifest:
+    """The lowest rank's manifest this tier holds: any rank's view holds the replicated keys."""
+    manifest = next(present_manifests(tier, step, marker), None)
+    if manifest is None:
+        raise CheckpointCorruptedError(f"{tier.path_of(step)}: no manifest of any rank is present")
+    return manifest
 
 
 def _replicated_view(
@@ -687,60 +695,43 @@ def restore_collective(
         if step is not None:
             raise NoCheckpointError(f"step {step} is not committed on every rank's tiers (rank {rank}: {mine})")
         return None
-    tried = [0]  # outcome rounds run: their keys are deleted at the end
-    try:
-        return _agree_on_a_step(coord, local, remote, template, step, rank, world_size, mine, candidates, tried)
-    finally:
-        coord.finish_restore(tried[0])
-
-
-def _agree_on_a_step(
-    coord: Coordinator,
-    local: Tier | None,
-    remote: Tier | None,
-    template: object,
-    step: int | None,
-    rank: int,
-    world_size: int,
-    mine: list[int],
-    candidates: list[int],
-    tried: list[int],
-) -> Restored:
-    """Try `candidates` in order until one verifies on every rank (see `restore_collective`)."""
     failures: list[str] = []
-    for i, s in enumerate(candidates):
-        tried[0] = i + 1
-        tiers = [t for t in (local, remote) if t is not None and (t is not local or s in mine)]
-        produce: Producer | None = None
-        why = ""
-        for tier in tiers:
-            try:
-                produce = prepare_step(tier, s, rank, template, True, world_size)
-                break
-            except StateMismatchError as exc:  # the template is wrong: no older step helps
-                coord.agree_outcome(i, False, str(exc), fatal=True)
-                raise
-            except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
-                why = f"step {s} on tier {tier.name!r}: {exc}"
-                if tier is not tiers[-1]:
-                    warnings.warn(
-                        f"tiercheck: cannot restore {why}; trying the next tier", RuntimeWarning, stacklevel=3
-                    )
-        if not tiers:
-            why = f"step {s} is on no tier of rank {rank}"
-        everyone, first, stop = coord.agree_outcome(i, produce is not None, why)
-        if everyone:
-            assert produce is not None
-            return Restored(s, produce(), tuple(sorted(set(mine) | set(candidates))))
-        if stop:
-            raise StateMismatchError(f"restore of step {s} stopped: {first}")
-        failures.append(first)
-        if step is None:
-            warnings.warn(
-                f"tiercheck: cannot restore step {s} on every rank ({first}); trying an older step",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    tried = 0  # outcome rounds run: their keys are deleted at the end
+    try:
+        for i, s in enumerate(candidates):
+            tried = i + 1
+            tiers = [t for t in (local, remote) if t is not None and (t is not local or s in mine)]
+            produce: Producer | None = None
+            why = ""
+            for tier in tiers:
+                try:
+                    produce = prepare_step(tier, s, rank, template, True, world_size)
+                    break
+                except StateMismatchError as exc:  # the template is wrong: no older step helps
+                    coord.agree_outcome(i, False, str(exc), fatal=True)
+                    raise
+                except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
+                    why = f"step {s} on tier {tier.name!r}: {exc}"
+                    if tier is not tiers[-1]:
+                        msg = f"tiercheck: cannot restore {why}; trying the next tier"
+                        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            if not tiers:
+                why = f"step {s} is on no tier of rank {rank}"
+            everyone, first, stop = coord.agree_outcome(i, produce is not None, why)
+            if everyone:
+                assert produce is not None
+                return Restored(s, produce(), tuple(sorted(set(mine) | set(candidates))))
+            if stop:
+                raise StateMismatchError(f"restore of step {s} stopped: {first}")
+            failures.append(first)
+            if step is None:
+                warnings.warn(
+                    f"tiercheck: cannot restore step {s} on every rank ({first}); trying an older step",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    finally:
+        coord.finish_restore(tried)
     detail = "; ".join(failures)
     if step is not None:
         raise CheckpointCorruptedError(f"step {step} cannot be restored on every rank: {detail}")
