@@ -25,7 +25,8 @@ class SaveStats:
         background_stage_s: for an overlapped save, the copy that ran after `save()`
             returned (module parameters and optimizer state), overlapping training.
         tier_s: per tier, seconds from the start of `save()` until durable there (the
-            tier-1 write starts while the copy is still running).
+            stall included; the tier-1 writer opens the step during the copy and writes
+            once it is done).
     """
 
     step: int

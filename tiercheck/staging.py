@@ -104,8 +104,13 @@ class StagingAborted(Exception):
 
 
 class StageProgress:
-    """How much of a host buffer's prefix is already copied, so the writer can write a
-    block as soon as it is staged: the write overlaps the rest of the copy."""
+    """How much of a host buffer's prefix is already copied. The writer and the checksum
+    helper are queued before the copy starts and wait here for the bytes they need.
+
+    The copy reports only its end, not each leaf: a writer or checksum thread woken
+    beside the copy's two threads slowed the blocking copy by 10-15% in a training loop
+    on two CPU cores (benchmarks, docs/performance.md), more than overlapping the write
+    with the copy gained on time to durable."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -145,8 +150,8 @@ def stage_into(
     """Copy every leaf's bytes into `buf` at the planned offsets; returns when the copy is done.
 
     `deferred` selects a subset: True copies only the leaves `flat.deferrable` marks, False
-    only the others, None all of them. `progress`, for a full copy, is advanced leaf by
-    leaf (offsets only grow), and to the whole buffer at the end.
+    only the others, None all of them. `progress`, for a full copy, is advanced to the
+    whole buffer once the copy is done (see `StageProgress` for why not leaf by leaf).
 
     CUDA tensors are copied on a side stream with non_blocking copies into pinned memory,
     then synchronised once, so the default stream of the training loop is not serialised
@@ -168,8 +173,6 @@ def stage_into(
                     src.record_stream(cuda_stream)
             else:
                 dst.copy_(src)
-                if progress is not None and cuda_stream is None:
-                    progress.advance(off + leaf.nbytes)  # leaves go in offset order
         elif isinstance(src, np.ndarray):
             dst_np = buf.array[off : off + leaf.nbytes].view(src.dtype).reshape(src.shape)
             np.copyto(dst_np, src, casting="no")
