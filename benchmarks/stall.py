@@ -559,7 +559,7 @@ class TiercheckSave(Method):
 
 class TiercheckNormalPriority(TiercheckSave):
     name = "tiercheck_normal_prio"
-    description = "tiercheck save() with Checkpointer(low_priority=False): writer threads at the loop's priority"
+    description = "tiercheck save(), Checkpointer(low_priority=False): writer and checksum at the default I/O priority"
 
     def setup(self) -> None:
         import inspect
