@@ -680,14 +680,17 @@ def _seconds(fn: Any) -> float:
 def test_decoding_many_replica_nodes_costs_about_as_much_as_regular_nodes() -> None:
     owner, reader = (p.manifest_bytes for p in _many_keys_parts(12_000))
     decode_manifest(owner, "warm-up")
+    decode_manifest(reader, "warm-up")
+    # Best of three each: a quadratic decoder is slow every time, a GC pause only once.
     t_owner = min(_seconds(lambda: decode_manifest(owner, "owner")) for _ in range(3))
-    t_reader = _seconds(lambda: decode_manifest(reader, "reader"))
+    t_reader = min(_seconds(lambda: decode_manifest(reader, "reader")) for _ in range(3))
     assert t_reader < max(0.5, 10 * t_owner), (t_reader, t_owner)
 
 
 def test_reading_many_replicas_costs_about_as_much_as_reading_the_owner(job_root: Path) -> None:
     write_step(job_root, _many_keys_parts(4_000))
     tiercheck.load(job_root, rank=0)
+    tiercheck.load(job_root, rank=1)
     t_owner = min(_seconds(lambda: tiercheck.load(job_root, rank=0)) for _ in range(3))
-    t_reader = _seconds(lambda: tiercheck.load(job_root, rank=1))  # reads both manifests
+    t_reader = min(_seconds(lambda: tiercheck.load(job_root, rank=1)) for _ in range(3))  # reads both manifests
     assert t_reader < max(1.0, 20 * t_owner), (t_reader, t_owner)
