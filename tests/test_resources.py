@@ -191,6 +191,7 @@ def test_saves_with_a_remote_tier_stay_flat(
     meter = Meter()
     t0 = time.perf_counter()
     ckpt = tiercheck.Checkpointer(local=root, remote=memory_url, keep_local=2, keep_remote=2)
+    idle_threads: list[int] = []  # with nothing in flight: each remote call's thread is gone
     for step in range(300):
         state["step"] = step
         handle = ckpt.save(step, state)
@@ -198,6 +199,9 @@ def test_saves_with_a_remote_tier_stay_flat(
             handle.wait()
         if step >= 20:
             meter.sample()
+        if step % 30 == 29:
+            ckpt.wait()
+            idle_threads.append(os_threads())
     ckpt.wait()
     elapsed = time.perf_counter() - t0
     assert ckpt._pool.allocations == 1
@@ -207,7 +211,9 @@ def test_saves_with_a_remote_tier_stay_flat(
     print(f"300 saves with memory:// in {elapsed:.1f} s: {meter.report()}")
     # 280 samples: compare the first and last 100
     assert meter.growth(meter.fds) <= FD_SLACK, meter.report()
-    assert meter.growth(meter.threads) <= THREAD_SLACK, meter.report()
+    # Samples taken while an upload runs may catch its short-lived call thread; at rest the
+    # count is exactly the same every time.
+    assert len(set(idle_threads)) == 1, idle_threads
     assert max(meter.threads) <= meter.threads[0] + 2, meter.report()
     assert meter.growth(meter.rss) <= RSS_SLACK, meter.report()
     assert_nothing_left(root, private_tempdir, before)

@@ -123,9 +123,11 @@ class RemoteTier(Tier):
             finally:
                 done.set()
 
-        threading.Thread(target=run, name="tiercheck-remote-call", daemon=True).start()
+        call = threading.Thread(target=run, name="tiercheck-remote-call", daemon=True)
+        call.start()
         if not done.wait(deadline):
             raise TimeoutError(f"tier {self.name!r}: {what} took longer than {deadline:.0f}s")
+        call.join()  # past fn(): it ends at once, so no call thread outlives its call
         if errors:
             raise errors[0]
         return results[0]
