@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import tiercheck
+from tests.assertions import same
 from tiercheck import layout
 from tiercheck.checksum import checksum_function
 from tiercheck.errors import CheckpointCorruptedError, StateMismatchError
@@ -165,22 +166,6 @@ def two_rank_parts(owners: Mapping[str, int]) -> list[Part]:
         )
         for rank in range(2)
     ]
-
-
-def same(actual: object, expected: object, path: str = "state") -> None:
-    assert type(actual) is type(expected), f"{path}: {type(actual).__name__} != {type(expected).__name__}"
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor)
-        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
-        a = actual.contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(a, expected.contiguous().reshape(-1).view(torch.uint8)), path
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict)
-        assert list(actual) == list(expected), path
-        for k in expected:
-            same(actual[k], expected[k], f"{path}[{k!r}]")
-    else:
-        assert actual == expected, path
 
 
 # -------------------------------------------------------------- decode: valid cases
