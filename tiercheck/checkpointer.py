@@ -588,13 +588,29 @@ class Checkpointer:
 
     # -- restore ---------------------------------------------------------------------
 
-    def restore(self, state: MutableMapping[Any, Any], step: int | None = None) -> int | None:
+    def restore(self, state: MutableMapping[Any, Any], step: int | None = None, strict: bool = True) -> int | None:
         """Restore `state` in place from the newest committed step (or exactly `step`).
 
-        Tensors are overwritten in place when the template has a tensor of the same shape
-        and dtype, stateful objects get `load_state_dict`, and plain values are written into
-        the template mapping. The template may name a subset of the saved keys.
+        The template becomes equal to the checkpoint, reusing its memory
+        (docs/restore.md has the rules):
+
+        - a tensor or array of the same shape and dtype is filled in place (same object);
+          one of another shape or dtype is an error; one on the meta device is replaced by
+          the checkpoint's value;
+        - a stateful object gets `load_state_dict` with fresh containers (modules and
+          optimizers lend their own tensors to the read; other objects get fresh tensors);
+        - plain values, lists and tuples take the checkpoint's value; a nested dict gets
+          every key the checkpoint holds. Only the top level may name a subset of the
+          saved keys.
+
         Pending saves are waited for first.
+
+        Args:
+            state: the template: a mutable mapping, such as the one given to `save()`.
+            step: restore exactly this step instead of the newest committed one.
+            strict: when False, a template key the checkpoint lacks (a metric or an EMA
+                added to a running job) is left as it is and reported in a warning and a
+                ``restore_missing_keys`` event, instead of raising.
 
         Returns:
             The restored step, or None when no checkpoint exists on any tier.
@@ -614,10 +630,10 @@ class Checkpointer:
             self._check_open()
             self.wait()
             if self._group is None:
-                found = restore_from(self._tiers, state, step, self.rank, world_size=self.world_size)
+                found = restore_from(self._tiers, state, step, self.rank, strict, world_size=self.world_size)
             else:
                 found = restore_collective(
-                    self._group.coord, self._local, self._remote, state, step, self.rank, self.world_size
+                    self._group.coord, self._local, self._remote, state, step, self.rank, self.world_size, strict
                 )
             if found is None:
                 return None
