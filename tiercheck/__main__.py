@@ -1,4 +1,5 @@
-"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]`` and ``tiercheck bench ...``.
+"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck bench ...``,
+and the checkpoint tools ``inspect``, ``export``, ``import``, ``prune``, ``rm`` (`tiercheck.tools.cli`).
 
 ``tiercheck bench`` runs the stall benchmark, ``benchmarks/stall.py``, which lives in the
 source checkout (it is not part of the installed package): the script is found next to the
@@ -22,6 +23,7 @@ from .restore import present_manifests, read_marker, verify_files
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
+from .tools import cli as tools_cli
 
 BENCH_ENV = "TIERCHECK_BENCH_SCRIPT"
 
@@ -74,7 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "`tiercheck bench --help`)",
         add_help=False,
     )
+    tools_cli.register(sub)
     args = ap.parse_args(args_in)
+    if args.cmd in tools_cli.COMMANDS:
+        return tools_cli.run(args)
     loc = args.location
     tier: Tier = RemoteTier(loc) if "://" in loc else LocalTier(loc)
     steps = tier.committed_steps()

@@ -13,6 +13,7 @@ __all__ = [
     "TiercheckError",
     "UnsupportedStateError",
     "UploadSkippedError",
+    "WriterActiveError",
 ]
 
 
@@ -58,6 +59,11 @@ class CoordinationError(TiercheckError, TimeoutError):
     def __init__(self, message: str, *, settled: bool = False) -> None:
         super().__init__(message)
         self.settled = settled
+
+
+class WriterActiveError(TiercheckError, BlockingIOError):
+    """A tool that deletes steps (`tiercheck prune`, `tiercheck rm`) was refused: a writer
+    (an open `Checkpointer`) holds the directory's lock. The message names the lock file."""
 
 
 class UploadSkippedError(TiercheckError):

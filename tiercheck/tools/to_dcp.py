@@ -1,0 +1,56 @@
+"""Export to a `torch.distributed.checkpoint` (DCP) directory, one process, no process group.
+
+The state handed to `dcp.save` holds meta-device placeholders; a save planner reads each
+tensor from the shard only when DCP's writer asks for it (`resolve_data`), and the writer
+(one thread, as DCP's default) drops it once written: peak memory is the largest tensor.
+Values DCP stores as one pickled object (non-tensor values, and tuples, which DCP never
+looks into) are built in full first.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from .skeleton import SkeletonBuilder, Slot, fill
+from .view import KeyPath, Node, ShardReader
+
+
+def meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def write(node: Node, base: KeyPath, tmp_dir: str, reader: ShardReader) -> tuple[int, list[KeyPath]]:
+    """Write the plain state of `node` (a mapping) as a DCP checkpoint in `tmp_dir`.
+
+    Returns:
+        (number of tensors written in the second pass, key paths of numpy values turned into tensors)
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    builder = SkeletonBuilder(reader, meta, whole_tuples=True)
+    state = builder.build(node, base)
+    if not isinstance(state, dict):
+        raise ValueError(f"a DCP checkpoint holds a mapping; {'.'.join(map(str, base))} is a {node.kind}")
+    slots = {id(s.tensor): s for s in builder.slots}
+
+    class StreamingPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: WriteItem) -> Any:
+            if write_item.type != WriteItemType.BYTE_IO:
+                slot: Slot | None = slots.get(id(self.lookup_object(write_item.index)))
+                if slot is not None:
+                    real = torch.empty(slot.tensor.shape, dtype=slot.tensor.dtype)
+                    fill(reader, slot, real)
+                    return real
+            return super().resolve_data(write_item)
+
+    writer = FileSystemWriter(tmp_dir, single_file_per_rank=True, sync_files=True, thread_count=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save(state, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+    return len(builder.slots), builder.converted
