@@ -19,7 +19,6 @@ import io
 import itertools
 import os
 import pickle
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from ..checkpointer import Checkpointer
 from ..errors import CheckpointCorruptedError, NoCheckpointError, UnsupportedStateError
 from ..handle import WaitTimeoutError
 from ..progress import ProgressCallback
+from .to_dcp import dcp_call
 
 __all__ = ["SOURCE_FORMATS", "ImportResult", "import_step", "source_format"]
 
@@ -331,8 +331,7 @@ def _read_dcp(src: str) -> dict[str, Any]:
             flat[fqn] = None
         else:
             raise CheckpointCorruptedError(f"{src}/.metadata: unknown item kind {type(md).__name__} for {fqn!r}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with dcp_call():
         planner = SafePlanner(flatten_state_dict=False)
         load(flat, storage_reader=SafeReader(src), planner=planner, no_dist=True)
     loaded = {fqn: planner.state_dict.get(fqn, value) for fqn, value in flat.items()}  # values land in its copy

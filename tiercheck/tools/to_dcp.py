@@ -9,13 +9,32 @@ looks into) are built in full first.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .skeleton import SkeletonBuilder, Slot, fill
 from .view import KeyPath, Node, ShardReader
+
+
+@contextlib.contextmanager
+def dcp_call() -> Iterator[None]:
+    """Run a `dcp.save`/`dcp.load` in one process: its warning about that is silenced, and
+    the error it wraps in `CheckpointException` (a BaseException) is raised as itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            yield
+        except CheckpointException as exc:
+            inner = [e for e, _ in exc.failures.values()]
+            if inner and isinstance(inner[0], Exception):
+                raise inner[0] from None
+            raise RuntimeError(str(exc)) from None
 
 
 def meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -50,7 +69,6 @@ def write(node: Node, base: KeyPath, tmp_dir: str, reader: ShardReader) -> tuple
             return super().resolve_data(write_item)
 
     writer = FileSystemWriter(tmp_dir, single_file_per_rank=True, sync_files=True, thread_count=1)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with dcp_call():
         save(state, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
     return len(builder.slots), builder.converted
