@@ -676,3 +676,16 @@ def test_corrupted_step_in_export_exits_1_and_inspect_still_works(saved: Path, t
     with pytest.raises(CheckpointCorruptedError):
         export_step(saved, tmp_path / "x.pt")
     assert main(["inspect", str(saved)]) == 0
+
+
+def test_verify_shows_progress_when_asked(
+    saved: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tiercheck.progress.MIN_BYTES", 1)
+    monkeypatch.setenv("TIERCHECK_PROGRESS", "1")  # stderr is captured, not a terminal
+    code, out, err = run_cli(["verify", str(saved)], capsys)
+    assert code == 0 and "step 10: ok" in out
+    assert "verify step 10" in err and "100%" in err
+    monkeypatch.setenv("TIERCHECK_PROGRESS", "0")
+    code, out, err = run_cli(["verify", str(saved)], capsys)
+    assert code == 0 and err == ""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .errors import CheckpointCorruptedError, TiercheckError
 from .manifest import Manifest
+from .progress import part_of, terminal_bar
 from .restore import present_manifests, read_marker, verify_files
 from .tiers.base import Tier
 from .tiers.local import LocalTier
@@ -105,8 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             manifests = list(present_manifests(tier, step, marker))
             if not manifests:
                 raise CheckpointCorruptedError(f"{tier.path_of(step)}: no rank's manifest is present")
-            for m in manifests:
-                verify_files(tier, step, m)
+            total = sum(sf.length for m in manifests for sf in m.files)
+            before = 0
+            with terminal_bar(f"verify step {step}") as progress:
+                for m in manifests:
+                    verify_files(tier, step, m, part_of(progress, before, total))
+                    before += sum(sf.length for sf in m.files)
             print(f"step {step}: ok ({_ranks(manifests, marker.world_size)})")
         except TiercheckError as exc:
             bad += 1

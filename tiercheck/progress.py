@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-__all__ = ["MIN_BYTES", "ProgressCallback", "format_bytes", "terminal_bar"]
+__all__ = ["MIN_BYTES", "ProgressCallback", "format_bytes", "part_of", "terminal_bar"]
 
 ProgressCallback = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``; see the module docstring for the contract."""
@@ -40,6 +40,15 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def part_of(progress: ProgressCallback | None, before: int, total: int) -> ProgressCallback | None:
+    """The callback for one part of a larger operation: the part's ``(done, part_total)``
+    is reported as ``(before + done, total)``. None stays None."""
+    if progress is None:
+        return None
+    whole = progress
+    return lambda done, _part_total: whole(before + done, total)
 
 
 class _TextBar:
@@ -94,20 +103,21 @@ def _wanted(stream: IO[str]) -> bool:
 
 @contextlib.contextmanager
 def terminal_bar(
-    description: str, *, stream: IO[str] | None = None, min_bytes: int = MIN_BYTES, use_tqdm: bool = True
+    description: str, *, stream: IO[str] | None = None, min_bytes: int | None = None, use_tqdm: bool = True
 ) -> Iterator[ProgressCallback | None]:
     """A progress callback that draws a bar on `stream` (default stderr), or None.
 
     None when `stream` is not a terminal (unless ``TIERCHECK_PROGRESS=1``) or when
     ``TIERCHECK_PROGRESS=0``; callers pass it on as ``progress=`` either way. The bar
-    appears at the first call whose total reaches `min_bytes`, and is closed when the
-    block exits.
+    appears at the first call whose total reaches `min_bytes` (default `MIN_BYTES`), and
+    is closed when the block exits.
 
     Example:
         >>> with terminal_bar("export") as progress:        # doctest: +SKIP
         ...     export_step("ckpt/run7", "model.safetensors", progress=progress)
     """
     out = sys.stderr if stream is None else stream
+    least = MIN_BYTES if min_bytes is None else min_bytes
     if not _wanted(out):
         yield None
         return
@@ -116,7 +126,7 @@ def terminal_bar(
     def update(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            if total < min_bytes:
+            if total < least:
                 return
             bar = _make_bar(out, description, total, use_tqdm)
         if isinstance(bar, _TextBar):
