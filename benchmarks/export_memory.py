@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             ).stdout
             r = json.loads(out.strip().splitlines()[-1])
             results.append(r)
-            print(f"{op:<20} {r['seconds']:>7} {r['peak_anon_growth_mib']:>9} {r['peak_rss_growth_mib']:>8}", flush=True)
+            print(
+                f"{op:<20} {r['seconds']:>7} {r['peak_anon_growth_mib']:>9} {r['peak_rss_growth_mib']:>8}", flush=True
+            )
         doc = {"checkpoint_mib": round(size / MiB), "largest_tensor_mib": round(largest / MiB), "results": results}
         if args.json:
             with open(args.json, "w") as f:

@@ -689,3 +689,50 @@ def test_verify_shows_progress_when_asked(
     monkeypatch.setenv("TIERCHECK_PROGRESS", "0")
     code, out, err = run_cli(["verify", str(saved)], capsys)
     assert code == 0 and err == ""
+
+
+def test_inspect_and_export_resolve_replicated_keys_of_a_multi_rank_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.test_replica_format import STEP, two_rank_parts, write_step
+
+    root = tmp_path / "job"
+    write_step(root, two_rank_parts({"model": 0, "optimizer": 1}))
+    code, out, _ = run_cli(["inspect", str(root), "--rank", "1", "--json"], capsys)
+    assert code == 0
+    doc = json.loads(out)
+    assert (doc["rank"], doc["world_size"]) == (1, 2)
+    keys = {k["key"]: k for k in doc["keys"]}
+    assert keys["model"]["replica_of"] == 0 and "replica_of" not in keys["optimizer"]
+    assert keys["model"]["leaves"] == 2
+    for rank in (0, 1):
+        dest = tmp_path / f"rank{rank}.pt"
+        assert main(["export", str(root), "--rank", str(rank), "--to", str(dest)]) == 0
+        same(torch.load(dest, weights_only=True), as_plain(tiercheck.load(root, STEP, rank=rank)))
+    code, text, _ = run_cli(["inspect", str(root), "--rank", "1"], capsys)
+    assert "(replicated: stored by rank 0)" in text
+
+
+def test_tools_on_a_url_with_compressed_shards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"file://{tmp_path}/bucket"
+    state = {"model": {f"w{i}": raw_tensor(torch.float32, (64, 64), i) for i in range(4)}, "step": 3}
+    with tiercheck.Checkpointer(remote=url, keep_remote=None, remote_compression="zstd") as ck:
+        ck.save(1, state)
+        ck.save(2, state)
+    manifest = json.loads((tmp_path / "bucket" / layout.step_dir_name(2) / layout.manifest_name(0, 1)).read_text())
+    assert manifest["files"][0]["codec"] == "zstd"
+    code, out, _ = run_cli(["inspect", url, "--json"], capsys)
+    assert code == 0 and json.loads(out)["files"][0]["codec"] == "zstd"
+    dest = tmp_path / "m.safetensors"
+    assert run_cli(["export", url, "--to", str(dest), "--prefix", "model"], capsys)[0] == 0
+    same(safetensors_torch.load_file(str(dest)), _ordered(state["model"], safetensors_torch.load_file(str(dest))))
+    code, out, _ = run_cli(["prune", url, "--keep-last", "1", "--json"], capsys)
+    assert code == 0
+    assert json.loads(out) | {"location": None} == {
+        "location": None,
+        "deleted": [1],
+        "kept": [2],
+        "dry_run": False,
+        "writer_check": "impossible",
+    }
+    assert tiercheck.Checkpointer(remote=url).steps() == [2]
