@@ -7,11 +7,12 @@ when the whole step verified are plain values written and `load_state_dict` call
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -30,6 +31,8 @@ MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ran
 MAX_MANIFEST_BYTES = 1 << 30
 
 Producer = Callable[[], object]
+_Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
+_Memory = tuple[tuple[object, ...], int]  # (identity of a template tensor's memory, its byte span)
 _MISSING = object()
 
 
@@ -76,6 +79,10 @@ class _Binder:
         self.replicas: dict[int, tuple[_Binder, JsonNode]] = parent.replicas if parent else {}
         # key paths of template keys the checkpoint lacks (an error unless strict=False)
         self.missing: list[str] = parent.missing if parent else []
+        # template memory lent to the read: (device, address, shape, strides, dtype) ->
+        # (checkpoint region, key path); and every lent span, for the overlap check
+        self.lent: dict[tuple[object, ...], tuple[tuple[object, ...], str]] = parent.lent if parent else {}
+        self.spans: list[tuple[str, int, int, tuple[object, ...], str]] = parent.spans if parent else []
 
     def bind(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
         t = node["t"]
@@ -123,7 +130,9 @@ class _Binder:
                     path, f"template array is {tmpl.dtype} {tmpl.shape}, checkpoint has {npd} {e.shape}"
                 )
             if tmpl.flags.writeable:
-                return self._into_array(tmpl, e)
+                lent = self._lend(tmpl, _array_memory(tmpl), e, path)
+                if lent is not None:
+                    return lent
         arr: np.ndarray[Any, Any] = np.empty(e.shape, dtype=npd)
         self.reads.append(_Read(e, _bytes_of(arr)))
         if e.kind == "npscalar":
@@ -152,7 +161,9 @@ class _Binder:
                 )
             # A meta tensor has no memory to fill: it is materialised from the checkpoint.
             if same_dtype and tmpl.device.type != "meta":
-                return self._into_tensor(tmpl, e)
+                lent = self._lend(tmpl, _tensor_memory(tmpl), e, path)
+                if lent is not None:
+                    return lent
         elif mode.fill:
             self._refuse_conflict(tmpl, path, "tensor")
         region = (e.file, e.offset, e.length, e.dtype, e.shape)
@@ -161,6 +172,37 @@ class _Binder:
             fresh = self.fresh[region] = torch.empty(e.shape, dtype=dtype)
             self._plan_read(e, fresh)
         return lambda: fresh
+
+    def _lend(self, tmpl: _Target, memory: _Memory | None, e: Entry, path: str) -> Producer | None:
+        """Plan the read of `e` into the template's own memory; None when that memory is
+        already lent to another checkpoint value (two template keys share one tensor that
+        the checkpoint holds as two values): then `e` is read into a fresh tensor, which
+        replaces that key's value, so neither read clobbers the other."""
+        if memory is None:  # empty: nothing to read
+            return self._into(tmpl, e)
+        identity, span = memory
+        region = (e.file, e.offset, e.length, e.dtype, e.shape)
+        known = self.lent.get(identity)
+        if known is not None:
+            return (lambda: tmpl) if known[0] == region else None  # tied on both sides: read once
+        self.lent[identity] = (region, path)
+        device, address = str(identity[0]), int(identity[1])  # type: ignore[call-overload]
+        self.spans.append((device, address, address + span, identity, path))
+        return self._into(tmpl, e)
+
+    def _into(self, tmpl: _Target, e: Entry) -> Producer:
+        return self._into_tensor(tmpl, e) if isinstance(tmpl, torch.Tensor) else self._into_array(tmpl, e)
+
+    def check_overlaps(self) -> None:
+        """Template tensors that partly overlap (views of one storage) cannot both be filled
+        in place with separate checkpoint values: refuse, naming both key paths."""
+        self.spans.sort(key=lambda sp: (sp[0], sp[1]))
+        for a, b in itertools.pairwise(self.spans):
+            if a[0] == b[0] and b[1] < a[2]:
+                raise StateMismatchError(
+                    f"{a[4]} and {b[4]}: template tensors overlap in memory, but checkpoint step {self.step} "
+                    "holds them as separate values; give the template separate tensors"
+                )
 
     def _into_tensor(self, tmpl: torch.Tensor, e: Entry) -> Producer:
         target = tmpl.detach()
@@ -297,6 +339,23 @@ class _Binder:
 
             return fill
         return lambda: kind(p() for p in producers)
+
+
+def _tensor_memory(t: torch.Tensor) -> _Memory | None:
+    """(identity, byte span) of a tensor's memory; None when it holds no bytes."""
+    if t.numel() == 0:
+        return None
+    span = (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+    return (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype), span
+
+
+def _array_memory(a: np.ndarray[Any, Any]) -> _Memory | None:
+    if a.size == 0:
+        return None
+    span = (sum((n - 1) * abs(st) for n, st in zip(a.shape, a.strides, strict=True)) + 1) * a.itemsize
+    address = int(a.__array_interface__["data"][0])
+    low = address + sum((n - 1) * st for n, st in zip(a.shape, a.strides, strict=True) if st < 0)
+    return ("numpy", low, a.shape, a.strides, a.dtype.str), span
 
 
 def _bytes_of(arr: np.ndarray[Any, Any]) -> memoryview:
@@ -501,6 +560,7 @@ def prepare_step(
             raise CheckpointCorruptedError(
                 f"{tier.path_of(step)}: cannot allocate what the manifest claims: {exc}"
             ) from None
+        binder.check_overlaps()
         if binder.missing and strict:
             raise StateMismatchError(
                 f"{', '.join(binder.missing)}: template key(s) not in the checkpoint (step {step}); "
