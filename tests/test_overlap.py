@@ -139,3 +139,99 @@ def test_close_removes_the_guard_hooks(tmp_path: Path) -> None:
     assert len(opt._optimizer_step_pre_hooks) == before + 1  # installed once
     ckpt.close()
     assert len(opt._optimizer_step_pre_hooks) == before
+
+
+# --------------------------------------------------------------- an overlapped save cannot tear
+
+
+def test_optimizer_outside_the_state_keeps_parameters_out_of_the_overlap(tmp_path: Path, monkeypatch) -> None:
+    """Nothing holds an optimizer the state lacks: its parameters are copied before save()
+    returns (with a warning), so its next step cannot tear the saved weights."""
+    model, opt, x = make_training()
+    train_step(model, opt, x)
+    hold_background_copy(monkeypatch)  # would block forever if anything were deferred
+    with tiercheck.Checkpointer(local=tmp_path, overlap=True) as ckpt:
+        for step in (1, 2):
+            expected = snapshot(model, opt)
+            with pytest.warns(RuntimeWarning, match="no optimizer in the saved state") if step == 1 else _no_warning():
+                handle = ckpt.save(step, {"model": model})
+            assert handle.staged()
+            train_step(model, opt, x)  # the optimizer steps right away
+            handle.wait()
+            got = tiercheck.load(tmp_path, step=step)
+            for k, v in expected["model"].items():  # type: ignore[union-attr]
+                assert torch.equal(got["model"][k], v), k
+
+
+def test_second_optimizer_the_state_lacks(tmp_path: Path, monkeypatch) -> None:
+    """Parameters only a second optimizer updates are copied before save() returns; one that
+    both update is deferred, and the second optimizer's step during the copy fails the step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    release = hold_background_copy(monkeypatch)
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None, overlap=True) as ckpt:
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.warns(RuntimeWarning, match="no optimizer"):
+            handle = ckpt.save(1, {"model": model, "opt_a": opt_a})
+        opt_b.step()  # not held back: model[1] was copied before save() returned
+        release.set()
+        handle.wait()
+        got = tiercheck.load(tmp_path, step=1)
+        for k, v in want.items():
+            assert torch.equal(got["model"][k], v), k
+
+        release.clear()
+        shared = torch.optim.SGD(model[0].parameters(), lr=0.5)  # also updates opt_a's parameters
+        handle = ckpt.save(2, {"model": model, "opt_a": opt_a})
+        shared.step()  # during the deferred copy: model[0] changes under it
+        release.set()
+        with pytest.raises(tiercheck.TierError) as raised:
+            handle.wait()
+        assert isinstance(raised.value.__cause__, tiercheck.SnapshotChangedError)
+        assert raised.value.step == 2
+        assert "state['model']['0.weight']" in str(raised.value)
+        ckpt.wait()  # raised once: the handle reported it, the checkpointer does not again
+        assert ckpt.steps() == [1]
+
+
+def test_in_place_edit_during_the_copy_fails_the_step(tmp_path: Path, monkeypatch) -> None:
+    model, opt, x = make_training()
+    train_step(model, opt, x)
+    release = hold_background_copy(monkeypatch)
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None, overlap=True) as ckpt:
+        release.set()
+        ckpt.save(1, {"model": model, "opt": opt}).wait()
+        release.clear()  # the copy of step 2 waits
+        handle = ckpt.save(2, {"model": model, "opt": opt})
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)  # an EMA-style edit outside optimizer.step()
+        release.set()
+        with pytest.raises(tiercheck.TierError, match=r"state\['model'\]\['0.weight'\] changed in place") as raised:
+            ckpt.wait()
+        assert raised.value.step == 2
+        ckpt.wait()
+        assert ckpt.steps() == [1]
+        # after wait_staged() the same edit is fine
+        handle = ckpt.save(3, {"model": model, "opt": opt})
+        release.set()
+        handle.wait_staged()
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+        handle.wait()
+        assert ckpt.steps() == [1, 3]
+
+
+class _no_warning:
+    def __enter__(self) -> None:
+        import warnings
+
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("error", RuntimeWarning)
+
+    def __exit__(self, *exc: object) -> None:
+        self._cm.__exit__(*exc)

@@ -435,7 +435,9 @@ def test_adam_restores_into_a_never_stepped_optimizer_and_via_load(make_ckpt, ck
     assert_optimizer_state_equal(opt3.state_dict(), want_opt)
 
 
-def test_template_subset_restores_only_the_named_keys(make_ckpt):
+def test_template_subset_restores_only_the_named_top_level_keys(make_ckpt):
+    """Only the top level may name a subset: a nested dict gets every key the checkpoint
+    holds (DESIGN.md section 1), its own tensors filled in place."""
     model, opt, _ = build_training(0)
     ckpt = make_ckpt()
     ckpt.save(
@@ -443,11 +445,14 @@ def test_template_subset_restores_only_the_named_keys(make_ckpt):
     ).wait()
 
     model2, _, _ = build_training(1)
-    template: dict[str, Any] = {"model": model2, "nested": {"y": torch.zeros(2)}}
+    y = torch.zeros(2)
+    template: dict[str, Any] = {"model": model2, "nested": {"y": y}}
     assert ckpt.restore(template) == 1
     assert list(template) == ["model", "nested"]
-    assert list(template["nested"]) == ["y"]
-    assert torch.equal(template["nested"]["y"], torch.full((2,), 5.0))
+    assert sorted(template["nested"]) == ["x", "y"]
+    assert template["nested"]["y"] is y
+    assert torch.equal(y, torch.full((2,), 5.0))
+    assert torch.equal(template["nested"]["x"], torch.ones(2))
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
 

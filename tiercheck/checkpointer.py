@@ -196,6 +196,7 @@ class Checkpointer:
         self._seen_at_restore: tuple[int, ...] | None = None
         self._closed = False
         self._overlap = overlap
+        self._warned_unguarded = False
         self._guards: dict[int, tuple[weakref.ref[torch.optim.Optimizer], Any]] = {}
         if self._local is not None:
             for path in self._local.remove_leftovers():
@@ -333,14 +334,18 @@ class Checkpointer:
         The caller may modify every tensor in `state` as soon as this returns; the saved
         step is the state as it was during the call.
 
-        With ``overlap=True`` (or ``Checkpointer(overlap=True)``), tensors that only
-        ``optimizer.step()`` changes (parameters of modules in `state`, and the state of
-        optimizers in `state`) are copied on a background thread after `save()` returns,
-        while the next forward/backward runs; everything else (buffers such as BatchNorm
-        statistics, plain tensors, RNG states) is still copied before returning. Each
-        optimizer in `state` gets a pre-step hook that waits for that copy, so the saved step
-        is still exactly the state at `save()`. Code that changes parameters outside
-        `optimizer.step()` (an EMA update, say) must call `handle.wait_staged()` first.
+        With ``overlap=True`` (or ``Checkpointer(overlap=True)``), tensors that only an
+        optimizer in `state` changes (the module parameters it updates, and its own state)
+        are copied on a background thread after `save()` returns, while the next
+        forward/backward runs; everything else (buffers such as BatchNorm statistics, plain
+        tensors, RNG states, parameters no optimizer in `state` updates) is still copied
+        before returning. Each optimizer in `state` gets a pre-step hook that waits for that
+        copy, so the saved step is still exactly the state at `save()`. Code that changes
+        those tensors outside `optimizer.step()` (an EMA update, a second optimizer sharing
+        parameters) must call `handle.wait_staged()` first: a deferred tensor whose version
+        counter moved before its copy finished fails the step (`TierError` caused by
+        `SnapshotChangedError`) instead of committing a torn snapshot. Writes through
+        ``tensor.data`` do not move the version counter and are not detected.
 
         A step must be newer than every step saved or committed before, except right after
         `restore()`: saving a step newer than the restored one starts a new branch, and the
@@ -369,7 +374,18 @@ class Checkpointer:
                 t1 = time.perf_counter()
                 buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
                 t2 = time.perf_counter()
-                overlapped = (self._overlap if overlap is None else overlap) and any(flat.deferrable)
+                wants_overlap = self._overlap if overlap is None else overlap
+                if wants_overlap and flat.unguarded and not self._warned_unguarded:
+                    self._warned_unguarded = True
+                    warnings.warn(
+                        f"tiercheck: save(overlap=True): no optimizer in the saved state updates "
+                        f"{len(flat.unguarded)} module parameter(s) ({flat.unguarded[0]}, ...); they are "
+                        "copied before save() returns, since nothing would hold their writer back. Put "
+                        "the optimizer in the state to overlap their copy with training",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                overlapped = wants_overlap and any(flat.deferrable)
                 job = StagedSave(
                     step=step,
                     rank=self.rank,
@@ -588,13 +604,29 @@ class Checkpointer:
 
     # -- restore ---------------------------------------------------------------------
 
-    def restore(self, state: MutableMapping[Any, Any], step: int | None = None) -> int | None:
+    def restore(self, state: MutableMapping[Any, Any], step: int | None = None, strict: bool = True) -> int | None:
         """Restore `state` in place from the newest committed step (or exactly `step`).
 
-        Tensors are overwritten in place when the template has a tensor of the same shape
-        and dtype, stateful objects get `load_state_dict`, and plain values are written into
-        the template mapping. The template may name a subset of the saved keys.
+        The template becomes equal to the checkpoint, reusing its memory
+        (docs/restore.md has the rules):
+
+        - a tensor or array of the same shape and dtype is filled in place (same object);
+          one of another shape or dtype is an error; one on the meta device is replaced by
+          the checkpoint's value;
+        - a stateful object gets `load_state_dict` with fresh containers (modules and
+          optimizers lend their own tensors to the read; other objects get fresh tensors);
+        - plain values, lists and tuples take the checkpoint's value; a nested dict gets
+          every key the checkpoint holds. Only the top level may name a subset of the
+          saved keys.
+
         Pending saves are waited for first.
+
+        Args:
+            state: the template: a mutable mapping, such as the one given to `save()`.
+            step: restore exactly this step instead of the newest committed one.
+            strict: when False, a template key the checkpoint lacks (a metric or an EMA
+                added to a running job) is left as it is and reported in a warning and a
+                ``restore_missing_keys`` event, instead of raising.
 
         Returns:
             The restored step, or None when no checkpoint exists on any tier.
@@ -614,10 +646,10 @@ class Checkpointer:
             self._check_open()
             self.wait()
             if self._group is None:
-                found = restore_from(self._tiers, state, step, self.rank, world_size=self.world_size)
+                found = restore_from(self._tiers, state, step, self.rank, strict, world_size=self.world_size)
             else:
                 found = restore_collective(
-                    self._group.coord, self._local, self._remote, state, step, self.rank, self.world_size
+                    self._group.coord, self._local, self._remote, state, step, self.rank, self.world_size, strict
                 )
             if found is None:
                 return None

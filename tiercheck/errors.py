@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointCorruptedError",
     "CoordinationError",
     "NoCheckpointError",
+    "SnapshotChangedError",
     "StateMismatchError",
     "StepConflictError",
     "TierError",
@@ -33,6 +34,12 @@ class UnsupportedStateError(TiercheckError, TypeError):
 
 class StateMismatchError(TiercheckError, ValueError):
     """The restore template does not match the checkpoint (shape, dtype, structure, key)."""
+
+
+class SnapshotChangedError(TiercheckError, RuntimeError):
+    """A tensor copied after `save(overlap=True)` returned was changed in place before its
+    copy finished (its version counter moved), so the step would mix states; that step
+    fails, raised once as a `TierError` caused by this error."""
 
 
 class StepConflictError(TiercheckError, FileExistsError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 logger = logging.getLogger("tiercheck")
@@ -45,3 +47,17 @@ class SaveStats:
 def emit(stats: SaveStats) -> None:
     if event_logger.isEnabledFor(logging.INFO):
         event_logger.info(stats.to_json())
+
+
+def report_missing_keys(step: int, tier: str, paths: Sequence[str]) -> None:
+    """`restore(state, strict=False)` left template keys the checkpoint lacks as they were:
+    say which, once, as a warning and a `restore_missing_keys` event."""
+    warnings.warn(
+        f"tiercheck: restored step {step} from tier {tier!r}; the checkpoint does not hold "
+        f"{len(paths)} template key(s), left as they were (strict=False): {', '.join(paths)}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    if event_logger.isEnabledFor(logging.INFO):
+        event = {"event": "restore_missing_keys", "step": step, "tier": tier, "keys": list(paths)}
+        event_logger.info(json.dumps(event, sort_keys=True))

@@ -21,6 +21,7 @@ from .checksum import ALGORITHMS, checksum_function, checksum_stream
 from .coordination import Coordinator
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
+from .events import report_missing_keys
 from .manifest import Entry, Manifest, Marker, ShardFile, decode_key, decode_manifest, decode_marker
 from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
@@ -38,8 +39,33 @@ class _Read:
     dest: memoryview
 
 
+@dataclass(frozen=True, slots=True)
+class _Mode:
+    """How a template subtree is matched (DESIGN.md section 1, the restore rules).
+
+    Attributes:
+        fill: write into the template's own dicts and lists (the user's state). False inside
+            a stateful object: `load_state_dict` always gets fresh containers, since the ones
+            `state_dict()` returned often alias the object's own state.
+        cast: a template tensor of another dtype is not an error: the value is read into a
+            fresh tensor (optimizer state, which `Optimizer.load_state_dict` casts itself).
+    """
+
+    fill: bool = True
+    cast: bool = False
+
+
+_FRESH = _Mode(fill=False)
+
+
 class _Binder:
-    """Matches a manifest tree against a template and plans the reads."""
+    """Matches a manifest tree against a template and plans the reads.
+
+    Binding raises every template mismatch before a byte is read; the reads then land
+    directly in the template's tensors where the rules allow, and the returned producer
+    writes the rest (plain values, fresh containers, `load_state_dict`) once every byte
+    verified.
+    """
 
     def __init__(self, manifest: Manifest, step: int, parent: _Binder | None = None) -> None:
         self.entries = manifest.entries
@@ -48,32 +74,66 @@ class _Binder:
         self.fresh: dict[tuple[object, ...], torch.Tensor] = parent.fresh if parent else {}
         # replica node id -> (the binder of the rank holding the value, the value's node)
         self.replicas: dict[int, tuple[_Binder, JsonNode]] = parent.replicas if parent else {}
+        # key paths of template keys the checkpoint lacks (an error unless strict=False)
+        self.missing: list[str] = parent.missing if parent else []
 
-    def bind(self, tmpl: object, node: JsonNode, path: str, strict: bool) -> Producer:
+    def bind(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
         t = node["t"]
         if t == "replica":  # the value lives in another rank's part of this step
             owner, target = self.replicas[id(node)]
-            return owner.bind(tmpl, target, path, strict)
+            return owner.bind(tmpl, target, path, mode)
         if t in ("tensor", "ndarray", "npscalar", "bytes"):
-            return self._leaf(tmpl, self.entries[node["e"]], path, strict)
+            return self._leaf(tmpl, self.entries[node["e"]], path, mode)
         if t == "dict":
-            return self._dict(tmpl, node, path, strict)
-        if t in ("list", "tuple"):
-            return self._sequence(tmpl, node, path, strict)
+            return self._mapping(tmpl, node, path, mode)
         if t == "stateful":
-            return self._stateful(tmpl, node["v"], path, strict)
+            return self._mapping(tmpl, node["v"], path, mode)
+        if t in ("list", "tuple"):
+            return self._sequence(tmpl, node, path, mode)
         value = _plain(node)
-        if strict and _is_structured(tmpl):
-            raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a {t}")
+        if mode.fill:
+            self._refuse_conflict(tmpl, path, t)
         return lambda: value
 
     def _mismatch(self, path: str, what: str) -> StateMismatchError:
         return StateMismatchError(f"{path}: {what} (checkpoint step {self.step})")
 
-    def _leaf(self, tmpl: object, e: Entry, path: str, strict: bool) -> Producer:
+    def _refuse_conflict(self, tmpl: object, path: str, what: str) -> None:
+        """A tensor, array or stateful object in the user's template is never silently
+        replaced by a value of another kind."""
+        if isinstance(tmpl, (torch.Tensor, np.ndarray)) or is_stateful(tmpl):
+            raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a {what}")
+
+    # -- leaves
+
+    def _leaf(self, tmpl: object, e: Entry, path: str, mode: _Mode) -> Producer:
         if e.kind == "tensor":
-            dtype = TORCH_DTYPES[e.dtype]
-            if isinstance(tmpl, torch.Tensor) and type(tmpl) not in (torch.Tensor, torch.nn.Parameter):
+            return self._tensor(tmpl, e, path, mode)
+        if mode.fill and not (isinstance(tmpl, np.ndarray) and e.kind == "ndarray"):
+            self._refuse_conflict(tmpl, path, e.kind)
+        if e.kind == "bytes":
+            raw = bytearray(e.length)
+            self.reads.append(_Read(e, memoryview(raw)))
+            return lambda: bytes(raw)
+        npd = numpy_dtype_from_name(e.dtype)
+        assert npd is not None
+        if isinstance(tmpl, np.ndarray) and e.kind == "ndarray":
+            if tmpl.dtype != npd or tmpl.shape != e.shape:
+                raise self._mismatch(
+                    path, f"template array is {tmpl.dtype} {tmpl.shape}, checkpoint has {npd} {e.shape}"
+                )
+            if tmpl.flags.writeable:
+                return self._into_array(tmpl, e)
+        arr: np.ndarray[Any, Any] = np.empty(e.shape, dtype=npd)
+        self.reads.append(_Read(e, _bytes_of(arr)))
+        if e.kind == "npscalar":
+            return lambda: arr[()]
+        return lambda: arr
+
+    def _tensor(self, tmpl: object, e: Entry, path: str, mode: _Mode) -> Producer:
+        dtype = TORCH_DTYPES[e.dtype]
+        if isinstance(tmpl, torch.Tensor):
+            if type(tmpl) not in (torch.Tensor, torch.nn.Parameter):
                 local = dtensor_local(tmpl, path)
                 if local is not None:  # a DTensor: its local piece is what this rank saved
                     if torch_dtype_name(local.dtype) != e.dtype or tuple(local.shape) != e.shape:
@@ -85,57 +145,22 @@ class _Binder:
                         )
                     fill = self._into_tensor(local, e)
                     return lambda: (fill(), tmpl)[1]
-            if isinstance(tmpl, torch.Tensor):
-                ok = torch_dtype_name(tmpl.dtype) == e.dtype and tuple(tmpl.shape) == e.shape
-                if ok:
-                    return self._into_tensor(tmpl, e)
-                # Inside a stateful object a dtype change may be load_state_dict's to make
-                # (optimizers cast state to the parameter's dtype); a shape change never is,
-                # and must fail before any byte lands in the object's other tensors.
-                if strict or tuple(tmpl.shape) != e.shape:
-                    raise self._mismatch(
-                        path,
-                        f"template tensor is {tmpl.dtype} {tuple(tmpl.shape)}, checkpoint has {dtype} {e.shape}",
-                    )
-            elif strict and _is_structured(tmpl):
-                raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a tensor")
-            region = (e.file, e.offset, e.length, e.dtype, e.shape)
-            fresh = self.fresh.get(region) if e.length else None
-            if fresh is None:  # tied tensors come back tied, read once
-                fresh = self.fresh[region] = torch.empty(e.shape, dtype=dtype)
-                self._plan_read(e, fresh)
-            return lambda: fresh
-        if e.kind == "bytes":
-            raw = bytearray(e.length)
-            self.reads.append(_Read(e, memoryview(raw)))
-            return lambda: bytes(raw)
-        npd = numpy_dtype_from_name(e.dtype)
-        assert npd is not None
-        if isinstance(tmpl, np.ndarray) and e.kind == "ndarray":
-            if tmpl.dtype == npd and tmpl.shape == e.shape and tmpl.flags.writeable:
-                if tmpl.flags.c_contiguous:
-                    self.reads.append(_Read(e, _bytes_of(tmpl)))
-                    return lambda: tmpl
-                staged: np.ndarray[Any, Any] = np.empty(e.shape, dtype=npd)
-                self.reads.append(_Read(e, _bytes_of(staged)))
-
-                def copy_back() -> object:
-                    tmpl[...] = staged
-                    return tmpl
-
-                return copy_back
-            if strict and (tmpl.dtype != npd or tmpl.shape != e.shape):
+            same_dtype = torch_dtype_name(tmpl.dtype) == e.dtype
+            if tuple(tmpl.shape) != e.shape or not (same_dtype or mode.cast):
                 raise self._mismatch(
-                    path,
-                    f"template array is {tmpl.dtype} {tmpl.shape}, checkpoint has {npd} {e.shape}",
+                    path, f"template tensor is {tmpl.dtype} {tuple(tmpl.shape)}, checkpoint has {dtype} {e.shape}"
                 )
-        elif strict and _is_structured(tmpl):
-            raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint an array")
-        arr: np.ndarray[Any, Any] = np.empty(e.shape, dtype=npd)
-        self.reads.append(_Read(e, _bytes_of(arr)))
-        if e.kind == "npscalar":
-            return lambda: arr[()]
-        return lambda: arr
+            # A meta tensor has no memory to fill: it is materialised from the checkpoint.
+            if same_dtype and tmpl.device.type != "meta":
+                return self._into_tensor(tmpl, e)
+        elif mode.fill:
+            self._refuse_conflict(tmpl, path, "tensor")
+        region = (e.file, e.offset, e.length, e.dtype, e.shape)
+        fresh = self.fresh.get(region) if e.length else None
+        if fresh is None:  # tied tensors come back tied, read once
+            fresh = self.fresh[region] = torch.empty(e.shape, dtype=dtype)
+            self._plan_read(e, fresh)
+        return lambda: fresh
 
     def _into_tensor(self, tmpl: torch.Tensor, e: Entry) -> Producer:
         target = tmpl.detach()
@@ -151,6 +176,19 @@ class _Binder:
 
         return copy_back
 
+    def _into_array(self, tmpl: np.ndarray[Any, Any], e: Entry) -> Producer:
+        if tmpl.flags.c_contiguous:
+            self.reads.append(_Read(e, _bytes_of(tmpl)))
+            return lambda: tmpl
+        staged: np.ndarray[Any, Any] = np.empty(e.shape, dtype=tmpl.dtype)
+        self.reads.append(_Read(e, _bytes_of(staged)))
+
+        def copy_back() -> object:
+            tmpl[...] = staged
+            return tmpl
+
+        return copy_back
+
     def _plan_read(self, e: Entry, t: torch.Tensor) -> None:
         if e.length:
             flat = t.reshape(-1).view(torch.uint8)
@@ -158,78 +196,77 @@ class _Binder:
         else:
             self.reads.append(_Read(e, memoryview(b"")))
 
-    def _dict(self, tmpl: object, node: JsonNode, path: str, strict: bool) -> Producer:
-        keys = [decode_key(k) for k in node["k"]]
-        children = dict(zip(keys, node["v"], strict=True))
-        if strict and isinstance(tmpl, Mapping) and not is_stateful(tmpl):
-            producers: list[tuple[object, Producer]] = []
-            for k in tmpl:
-                child = children.get(k, _MISSING)
-                if child is _MISSING:
-                    raise self._mismatch(key_path(path, k), "this key of the template is not in the checkpoint")
-                producers.append((k, self.bind(tmpl[k], child, key_path(path, k), True)))
+    # -- containers
 
-            def fill() -> object:
-                for k, p in producers:
-                    v = p()
-                    if isinstance(tmpl, MutableMapping):
-                        if tmpl[k] is not v:
-                            tmpl[k] = v
-                    elif tmpl[k] is not v:
-                        raise self._mismatch(key_path(path, k), "read-only mapping in the template")
-                return tmpl
-
-            return fill
-        if strict and tmpl is not None and _is_structured(tmpl):
-            raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a dict")
-        hint = tmpl if isinstance(tmpl, Mapping) else {}
-        built = [(k, self.bind(hint.get(k), child, key_path(path, k), False)) for k, child in children.items()]
+    def _mapping(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
+        children = dict(zip((decode_key(k) for k in node["k"]), node["v"], strict=True))
+        if mode.fill and is_stateful(tmpl):
+            return self._load_into(tmpl, children, path, mode)
+        if mode.fill and isinstance(tmpl, Mapping):
+            return self._fill_mapping(tmpl, children, path, mode)
+        if mode.fill:
+            self._refuse_conflict(tmpl, path, "dict")
+        hint: Mapping[Any, Any] = tmpl if isinstance(tmpl, Mapping) and not mode.fill else {}
+        built = [(k, self.bind(hint.get(k), child, key_path(path, k), mode)) for k, child in children.items()]
         return lambda: {k: p() for k, p in built}
 
-    def _sequence(self, tmpl: object, node: JsonNode, path: str, strict: bool) -> Producer:
-        items: list[JsonNode] = node["v"]
-        kind = list if node["t"] == "list" else tuple
-        if isinstance(tmpl, (list, tuple)) and len(tmpl) == len(items):
-            producers = [
-                self.bind(tv, cv, key_path(path, i), strict) for i, (tv, cv) in enumerate(zip(tmpl, items, strict=True))
-            ]
-            if isinstance(tmpl, list) and kind is list:
+    def _fill_mapping(self, tmpl: Mapping[Any, Any], children: dict[Any, JsonNode], path: str, mode: _Mode) -> Producer:
+        """The user's dict: it gets every key the checkpoint holds (only the top level may
+        name a subset), and a template key the checkpoint lacks is an error or reported."""
+        self.missing.extend(key_path(path, k) for k in tmpl if k not in children)
+        top = path == ROOT
+        producers = [
+            (k, self.bind(tmpl.get(k), child, key_path(path, k), mode))
+            for k, child in children.items()
+            if not top or k in tmpl
+        ]
 
-                def fill() -> object:
-                    for i, p in enumerate(producers):
-                        v = p()
-                        if tmpl[i] is not v:
-                            tmpl[i] = v
-                    return tmpl
+        def fill() -> object:
+            for k, p in producers:
+                v = p()
+                if k in tmpl and tmpl[k] is v:
+                    continue
+                if not isinstance(tmpl, MutableMapping):
+                    raise self._mismatch(key_path(path, k), "read-only mapping in the template")
+                tmpl[k] = v
+            return tmpl
 
-                return fill
-            return lambda: kind(p() for p in producers)
-        if strict and _is_structured(tmpl):
-            got = (
-                f"{type(tmpl).__name__} of length {len(tmpl)}"
-                if isinstance(tmpl, (list, tuple))
-                else type(tmpl).__name__
-            )
-            raise self._mismatch(
-                path,
-                f"the template holds a {got}, the checkpoint a {node['t']} of length {len(items)}",
-            )
-        producers = [self.bind(None, cv, key_path(path, i), False) for i, cv in enumerate(items)]
-        return lambda: kind(p() for p in producers)
+        return fill
 
-    def _stateful(self, tmpl: object, inner: JsonNode, path: str, strict: bool) -> Producer:
-        if not is_stateful(tmpl):
-            return self._dict(tmpl, inner, path, strict)
-        try:
-            hint = tmpl.state_dict()  # type: ignore[attr-defined]
-        except Exception as exc:
-            raise self._mismatch(path, f"{type(tmpl).__name__}.state_dict() raised {exc!r}") from exc
-        produce = self._dict(hint, inner, path, False)
+    def _load_into(self, tmpl: Any, children: dict[Any, JsonNode], path: str, mode: _Mode) -> Producer:
+        """A stateful object gets `load_state_dict` with fresh containers. Only modules and
+        optimizers lend the tensors of their `state_dict()` to the read: their
+        `load_state_dict` copies values in (so the model is not held twice in memory); any
+        other object gets fresh tensors, since its `load_state_dict` may clear or zero its
+        own tensors before reading the ones it is given."""
+        hint: Mapping[Any, Any] = {}
+        sub = _FRESH
+        assign = False
+        if isinstance(tmpl, (torch.nn.Module, torch.optim.Optimizer)):
+            try:
+                hint = tmpl.state_dict()
+            except Exception as exc:
+                raise self._mismatch(path, f"{type(tmpl).__name__}.state_dict() raised {exc!r}") from exc
+            if isinstance(tmpl, torch.optim.Optimizer):
+                sub = _Mode(fill=False, cast=True)
+                if any(p.device.type == "meta" for g in tmpl.param_groups for p in g["params"]):
+                    raise self._mismatch(
+                        path,
+                        "the optimizer's parameters are on the meta device, where its state cannot be "
+                        "loaded; materialise the model first (restore it, or to_empty()), then build "
+                        "the optimizer over its parameters and restore that",
+                    )
+            else:  # a module built on the meta device (for to_empty()) gets the checkpoint's tensors
+                assign = any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in hint.values())
+        built = [(k, self.bind(hint.get(k), child, key_path(path, k), sub)) for k, child in children.items()]
 
         def load() -> object:
-            sd = produce()
+            sd = {k: p() for k, p in built}
             try:
-                tmpl.load_state_dict(sd)  # type: ignore[attr-defined]
+                if assign:
+                    tmpl.load_state_dict(sd, assign=True)
+                else:
+                    tmpl.load_state_dict(sd)
             except Exception as exc:
                 raise self._mismatch(
                     path, f"{type(tmpl).__name__}.load_state_dict() rejected the checkpoint: {exc}"
@@ -238,15 +275,33 @@ class _Binder:
 
         return load
 
+    def _sequence(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
+        """Lists and tuples take the checkpoint's value whatever the template held; a
+        template of the same length lends its elements (tensors filled in place)."""
+        items: list[JsonNode] = node["v"]
+        kind = list if node["t"] == "list" else tuple
+        same = isinstance(tmpl, (list, tuple)) and len(tmpl) == len(items)
+        if mode.fill and not same:
+            self._refuse_conflict(tmpl, path, node["t"])
+        hints: Sequence[object] = tmpl if same else [None] * len(items)  # type: ignore[assignment]
+        producers = [self.bind(hints[i], cv, key_path(path, i), mode) for i, cv in enumerate(items)]
+        if mode.fill and same and isinstance(tmpl, list) and kind is list:
+            target = tmpl
+
+            def fill() -> object:
+                for i, p in enumerate(producers):
+                    v = p()
+                    if target[i] is not v:
+                        target[i] = v
+                return target
+
+            return fill
+        return lambda: kind(p() for p in producers)
+
 
 def _bytes_of(arr: np.ndarray[Any, Any]) -> memoryview:
     """A writable byte view of a C-contiguous array's memory."""
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-def _is_structured(tmpl: object) -> bool:
-    """Template values that must match the checkpoint's kind (others are just replaced)."""
-    return isinstance(tmpl, (torch.Tensor, np.ndarray, Mapping, list, tuple)) or is_stateful(tmpl)
 
 
 def _plain(node: JsonNode) -> object:
@@ -402,7 +457,7 @@ def prepare_step(
     manifests = {manifest.rank: manifest}
     owned: dict[int, tuple[_Binder, dict[tuple[str, ...], JsonNode], set[tuple[str, str]]]] = {}
     for k, node in zip(tree["k"], tree["v"], strict=True):
-        if node["t"] != "replica" or (isinstance(template, Mapping) and decode_key(k) not in template and strict):
+        if node["t"] != "replica" or (isinstance(template, Mapping) and decode_key(k) not in template):
             continue
         if node["r"] not in owned:  # each owner's manifest read and indexed once
             owner = manifests[node["r"]] = read_manifest(tier, step, node["r"], marker)
@@ -439,18 +494,32 @@ def prepare_step(
             if sf.codec == "zstd":
                 files[sf.name] = ZstdFile(f, sf.length, path)
         try:
-            produce = binder.bind(template, tree, ROOT, strict)
+            produce = binder.bind(template, tree, ROOT, _Mode())
         except RecursionError:
             raise CheckpointCorruptedError(f"{tier.path_of(step)}: the state tree is nested too deep") from None
         except (MemoryError, RuntimeError) as exc:  # sizes a compressed shard cannot bound
             raise CheckpointCorruptedError(
                 f"{tier.path_of(step)}: cannot allocate what the manifest claims: {exc}"
             ) from None
+        if binder.missing and strict:
+            raise StateMismatchError(
+                f"{', '.join(binder.missing)}: template key(s) not in the checkpoint (step {step}); "
+                "drop them from the template, or restore(state, strict=False) to leave them as they are"
+            )
         _read_verified(tier, step, files, binder.reads, manifest.checksum_algorithm)
     finally:
         for f in files.values():
             f.close()
-    return produce
+    if not binder.missing:
+        return produce
+    missing = tuple(binder.missing)
+
+    def produce_and_report() -> object:
+        value = produce()
+        report_missing_keys(step, tier.name, missing)
+        return value
+
+    return produce_and_report
 
 
 def present_manifests(tier: Tier, step: int, marker: Marker, ranks: Iterable[int] | None = None) -> Iterator[Manifest]:
@@ -665,6 +734,7 @@ def restore_collective(
     step: int | None,
     rank: int,
     world_size: int,
+    strict: bool = True,
 ) -> Restored | None:
     """`restore_from` for one rank of a job: every rank calls it, and all restore the same
     step, the newest that every rank can read (or exactly `step`).
@@ -705,7 +775,7 @@ def restore_collective(
             why = ""
             for tier in tiers:
                 try:
-                    produce = prepare_step(tier, s, rank, template, True, world_size)
+                    produce = prepare_step(tier, s, rank, template, strict, world_size)
                     break
                 except StateMismatchError as exc:  # the template is wrong: no older step helps
                     coord.agree_outcome(i, False, str(exc), fatal=True)

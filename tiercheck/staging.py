@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import SnapshotChangedError
 from .planner import ALIGNMENT, ShardPlan
 from .state import FlatState
 
@@ -159,7 +160,12 @@ def stage_into(
     """
     cuda_stream = None
     flags = flat.deferrable or (False,) * len(flat.leaves)
-    for leaf, src, off, flag in zip(flat.leaves, flat.sources, plan.offsets, flags, strict=True):
+    # A deferred copy runs while training goes on: a tensor changed in place since save()
+    # (its version counter moved) may have been copied torn, so the step must fail.
+    check = deferred is True and bool(flat.versions)
+    changed: list[str] = []
+    on_device: list[int] = []
+    for i, (leaf, src, off, flag) in enumerate(zip(flat.leaves, flat.sources, plan.offsets, flags, strict=True)):
         if leaf.alias_of is not None or leaf.nbytes == 0 or (deferred is not None and flag != deferred):
             continue
         if isinstance(src, torch.Tensor):
@@ -171,8 +177,11 @@ def stage_into(
                 with torch.cuda.stream(cuda_stream):
                     dst.copy_(src, non_blocking=True)
                     src.record_stream(cuda_stream)
+                on_device.append(i)
             else:
                 dst.copy_(src)
+                if check and src._version != flat.versions[i]:
+                    changed.append(leaf.path)
         elif isinstance(src, np.ndarray):
             dst_np = buf.array[off : off + leaf.nbytes].view(src.dtype).reshape(src.shape)
             np.copyto(dst_np, src, casting="no")
@@ -181,5 +190,20 @@ def stage_into(
             buf.array[off : off + leaf.nbytes] = np.frombuffer(src, dtype=np.uint8)
     if cuda_stream is not None:
         cuda_stream.synchronize()
+    if check:
+        changed += [flat.leaves[i].path for i in on_device if _version(flat.sources[i]) != flat.versions[i]]
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise SnapshotChangedError(
+            f"{shown} changed in place while save(overlap=True) was still copying it, so this step "
+            "would not be the state at save(): something other than an optimizer in the saved state "
+            "modified it. Put that optimizer in the state, or call handle.wait_staged() before "
+            "modifying the tensor outside optimizer.step()"
+        )
     if progress is not None:
         progress.advance(plan.total_bytes)
+
+
+def _version(src: object) -> int:
+    assert isinstance(src, torch.Tensor)
+    return src._version

@@ -47,10 +47,17 @@ class FlatState:
     tree: JsonNode
     leaves: tuple[Leaf, ...]
     sources: tuple[object, ...]  # torch.Tensor | np.ndarray | bytes, parallel to leaves
-    # Per leaf: does only `optimizer.step()` change it (a module parameter or optimizer
-    # state)? Those may be copied after save() returns, guarded by an optimizer pre-step hook.
+    # Per leaf: does only `optimizer.step()` of an optimizer in the state change it (its
+    # state, or a module parameter it updates)? Those may be copied after save() returns,
+    # guarded by an optimizer pre-step hook.
     deferrable: tuple[bool, ...] = ()
     optimizers: tuple[torch.optim.Optimizer, ...] = ()
+    # Per leaf: the tensor's version counter at flatten time (-1 for other leaves); an
+    # in-place change moves it, so a deferred copy can tell it did not see a torn tensor.
+    versions: tuple[int, ...] = ()
+    # Module parameters that no optimizer in the state updates: never deferred, since
+    # nothing would hold their writer back until the copy is done.
+    unguarded: tuple[str, ...] = ()
 
     @property
     def signature(self) -> tuple[tuple[str, str, tuple[int, ...], int | None], ...]:
@@ -119,12 +126,24 @@ def flatten_state(state: Mapping[Any, Any]) -> FlatState:
         raise UnsupportedStateError(
             f"the state is nested more than {MAX_DEPTH} levels deep (or a state_dict() refers back to itself)"
         ) from None
+    guarded = {_identity(p) for opt in builder.optimizers for g in opt.param_groups for p in g["params"]}
+    deferrable = [
+        in_opt or (param is not None and param in guarded)
+        for in_opt, param in zip(builder.in_optimizer, builder.param_of, strict=True)
+    ]
+    unguarded = tuple(
+        leaf.path
+        for leaf, param in zip(builder.leaves, builder.param_of, strict=True)
+        if param is not None and param not in guarded
+    )
     return FlatState(
         tree=tree,
         leaves=tuple(builder.leaves),
         sources=tuple(builder.sources),
-        deferrable=tuple(builder.deferrable),
+        deferrable=tuple(deferrable),
         optimizers=tuple(builder.optimizers),
+        versions=tuple(s._version if isinstance(s, torch.Tensor) else -1 for s in builder.sources),
+        unguarded=unguarded,
     )
 
 
@@ -134,7 +153,8 @@ class _Flattener:
         self.sources: list[object] = []
         self._alias: dict[tuple[object, ...], int] = {}
         self._on_path: set[int] = set()
-        self.deferrable: list[bool] = []
+        self.in_optimizer: list[bool] = []  # per leaf: part of an optimizer's state
+        self.param_of: list[tuple[torch.device, int] | None] = []  # per leaf: the module parameter it is
         self.optimizers: list[torch.optim.Optimizer] = []
         self._params: set[tuple[torch.device, int]] = set()  # parameters of enclosing modules
         self._in_optimizer = 0
@@ -231,10 +251,10 @@ class _Flattener:
                 self._alias[alias_key] = len(self.leaves)
         self.leaves.append(leaf)
         self.sources.append(source)
-        self.deferrable.append(
-            isinstance(source, torch.Tensor)
-            and (self._in_optimizer > 0 or (source.device, source.data_ptr()) in self._params)
-        )
+        tensor = isinstance(source, torch.Tensor)
+        self.in_optimizer.append(tensor and self._in_optimizer > 0)
+        ident = (source.device, source.data_ptr()) if isinstance(source, torch.Tensor) else None
+        self.param_of.append(ident if ident in self._params and not self._in_optimizer else None)
         return len(self.leaves) - 1
 
     def _tensor(self, t: torch.Tensor, path: str) -> int:
