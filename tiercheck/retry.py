@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .errors import InvalidArgumentError
+
 T = TypeVar("T")
 
 # Exception class names from botocore, aiohttp, azure-core and google-auth that mean "the
@@ -74,7 +76,7 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.budget_s < 0 or self.initial_s <= 0 or self.max_s < self.initial_s:
-            raise ValueError(f"invalid retry policy {self}")
+            raise InvalidArgumentError(f"invalid retry policy {self}")
 
     def run(
         self,
