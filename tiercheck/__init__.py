@@ -6,7 +6,9 @@ from .api import load
 from .checkpointer import Checkpointer
 from .errors import (
     CheckpointCorruptedError,
+    ClosedError,
     CoordinationError,
+    InvalidArgumentError,
     NoCheckpointError,
     SnapshotChangedError,
     StateMismatchError,
@@ -25,8 +27,10 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointCorruptedError",
     "Checkpointer",
+    "ClosedError",
     "CoordinationError",
     "DrainReport",
+    "InvalidArgumentError",
     "KeepAll",
     "KeepEvery",
     "KeepLast",

@@ -18,6 +18,8 @@ import torch
 from .checksum import ALGORITHMS
 from .coordination import Group, from_process_group, join_group
 from .errors import (
+    ClosedError,
+    InvalidArgumentError,
     StepConflictError,
     TiercheckError,
     TierError,
@@ -50,7 +52,8 @@ class Checkpointer:
 
     Args:
         local: tier 1, a local directory (ideally NVMe). Created if missing.
-        remote: tier 2, an fsspec URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``).
+        remote: tier 2, an fsspec URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``),
+            or a plain path, which is the local filesystem as ``file://`` is (created on demand).
             With `local`, each step committed on tier 1 is uploaded from the tier-1 files;
             alone, it is uploaded straight from the host buffer.
         storage_options: fsspec options for the remote tier (credentials, ``endpoint_url``,
@@ -113,7 +116,10 @@ class Checkpointer:
             hangs forever when a rank dies).
 
     Raises:
-        ValueError: no tier given, or an invalid option.
+        InvalidArgumentError: no tier given, or an invalid option (also a ValueError).
+
+    A process forked while a Checkpointer exists gets an inert copy: its `close()` returns
+    at once and its other methods raise `ClosedError`; the parent's saves are unaffected.
 
     Example:
         >>> ckpt = tiercheck.Checkpointer(local="ckpt/run7", keep_local=2)  # doctest: +SKIP
@@ -128,7 +134,7 @@ class Checkpointer:
     def __init__(
         self,
         local: str | os.PathLike[str] | None = None,
-        remote: str | None = None,
+        remote: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         keep_local: int | RetentionPolicy | None = 2,
         keep_remote: int | RetentionPolicy | None = None,
@@ -153,17 +159,19 @@ class Checkpointer:
         coordination_timeout: float = 600.0,
     ) -> None:
         if local is None and remote is None:
-            raise ValueError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
+            raise InvalidArgumentError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
         if checksum not in ALGORITHMS:
-            raise ValueError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
+            raise InvalidArgumentError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
         rank, world_size, store = _job_place(rank, world_size, store)
         if not (isinstance(coordination_timeout, (int, float)) and coordination_timeout > 0):
-            raise ValueError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
+            raise InvalidArgumentError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
+        if not (isinstance(remote_timeout, (int, float)) and remote_timeout > 0):
+            raise InvalidArgumentError(f"remote_timeout must be a positive number, got {remote_timeout!r}")
         self._replicated = _replicated_keys(replicated)
         if not (
             replicated_writer == "balance" or (type(replicated_writer) is int and 0 <= replicated_writer < world_size)
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"replicated_writer must be 'balance' or a rank below {world_size}, got {replicated_writer!r}"
             )
         self._replicated_writer = replicated_writer
@@ -178,7 +186,7 @@ class Checkpointer:
             if remote is None
             else RemoteTier(
                 remote,
-                _with_timeouts(remote, storage_options, remote_timeout),
+                _with_timeouts(os.fspath(remote), storage_options, remote_timeout),
                 retry=RetryPolicy(budget_s=remote_retry_budget),
                 op_timeout=remote_timeout,
                 write_rate=remote_write_rate,
@@ -208,9 +216,14 @@ class Checkpointer:
         self._pipeline = Pipeline(
             self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority, self._group
         )
+        # A fork() child gets a copy of this object but none of the pipeline's threads: it
+        # compares its pid with this one and does nothing (see `_check_process`).
+        self._pid = os.getpid()
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
-        self._finalizer = weakref.finalize(self, _finalize, self._pipeline, self._pool, str(local or remote))
+        self._finalizer = weakref.finalize(
+            self, _finalize, self._pipeline, self._pool, os.fspath(local or remote or ""), self._pid
+        )
 
     # -- context manager -------------------------------------------------------------
 
@@ -233,7 +246,7 @@ class Checkpointer:
             return self._tiers
         matches = [t for t in self._tiers if t.name == tier]
         if not matches:
-            raise ValueError(f"tier must be one of {[t.name for t in self._tiers]} or None, got {tier!r}")
+            raise InvalidArgumentError(f"tier must be one of {[t.name for t in self._tiers]} or None, got {tier!r}")
         return matches
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -256,6 +269,7 @@ class Checkpointer:
         The first save otherwise pays for allocating and touching a buffer as large as the
         state; call this at start-up, e.g. right after building the model and optimizer.
         """
+        self._check_open()
         flat = flatten_state(state)
         plan = self._plan_for(flat)
         buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
@@ -356,8 +370,10 @@ class Checkpointer:
             UnsupportedStateError: a value that cannot be stored; names its key path.
             StepConflictError: `step` is not newer than the existing or pending steps.
             TierError: an earlier background save failed (raised once).
+            ClosedError: the Checkpointer is closed, or was inherited through fork().
         """
         t0 = time.perf_counter()
+        self._check_process()  # before the lock: a fork() child may inherit it held
         with self._lock:
             self._check_open()
             if type(step) is not int or step < 0:
@@ -418,6 +434,10 @@ class Checkpointer:
                     try:
                         stage_into(buf, flat, plan, progress=job.progress)
                     except BaseException:
+                        # Off the in-flight list before the writer hears of it: a retry of
+                        # this step (after Ctrl-C, say) must not meet it there.
+                        self._pipeline.forget_unstaged(job)
+                        submitted = False  # the other ranks hear of it from _abandon below
                         job.progress.fail()
                         raise
             except BaseException as exc:
@@ -446,10 +466,11 @@ class Checkpointer:
     def _guard(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Make each optimizer wait for an overlapped copy before it changes anything."""
         pipeline = weakref.ref(self._pipeline)  # no cycle: the optimizer may outlive us
+        pid = self._pid
 
         def wait_for_copy(optimizer: object, args: object, kwargs: object) -> None:
             p = pipeline()
-            if p is not None:
+            if p is not None and os.getpid() == pid:  # a fork() child has no copy to wait for
                 p.wait_staged()
 
         for opt in optimizers:
@@ -505,9 +526,20 @@ class Checkpointer:
 
     # -- sync points -----------------------------------------------------------------
 
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _check_process(self) -> None:
+        if self._forked():
+            raise ClosedError(
+                f"this Checkpointer was created by process {self._pid}; process {os.getpid()} inherited it "
+                "through fork() without its background threads and cannot use it: create a new Checkpointer"
+            )
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
-            raise RuntimeError("this Checkpointer is closed")
+            raise ClosedError("this Checkpointer is closed; create a new one to save or restore")
 
     def _raise_background_errors(self) -> None:
         errors = self._pipeline.take_errors()
@@ -530,7 +562,9 @@ class Checkpointer:
         Raises:
             TierError: a background save failed since the last sync point (raised once).
             WaitTimeoutError: `timeout` seconds passed first.
+            ClosedError: called in a fork() child of the process that created it.
         """
+        self._check_process()
         if not self._pipeline.wait_idle(timeout):
             raise WaitTimeoutError(f"pending saves {self._pipeline.in_flight()} not durable after {timeout}s")
         self._raise_background_errors()
@@ -543,7 +577,11 @@ class Checkpointer:
         Returns:
             A `DrainReport`: the newest step this session made durable on each tier, the
             steps still pending per tier, and the background errors (now consumed).
+
+        Raises:
+            ClosedError: called in a fork() child of the process that created it.
         """
+        self._check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
@@ -573,7 +611,7 @@ class Checkpointer:
 
         def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
             ckpt = me()
-            if ckpt is not None and not ckpt._closed:
+            if ckpt is not None and not ckpt._closed and not ckpt._forked():
                 ckpt.drain(grace_s)
             signal.signal(signal.SIGTERM, previous)
             if callable(previous):
@@ -586,9 +624,15 @@ class Checkpointer:
     def close(self) -> None:
         """Drain pending saves, stop the writer, free the host buffers. Idempotent.
 
+        In a fork() child of the process that created it, it only detaches the exit-time
+        drain and returns: the threads and pending saves are the parent's.
+
         Raises:
             TierError: a background save failed since the last sync point (raised once).
         """
+        if self._forked():  # no lock: a parent's thread may have held it at the fork
+            self._finalizer.detach()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -637,11 +681,15 @@ class Checkpointer:
                 committed step does (without `step`, a damaged step is skipped with a
                 warning naming it and the next older one is tried).
             StateMismatchError: the template does not fit the checkpoint (names the key path).
+            InvalidArgumentError: `state` is not a mutable mapping, or `step` is not a
+                non-negative int.
+            ClosedError: the Checkpointer is closed, or was inherited through fork().
         """
+        self._check_process()
         if not isinstance(state, MutableMapping):
-            raise TypeError(f"restore() needs a mutable mapping as template, got {type(state).__name__}")
+            raise InvalidArgumentError(f"restore() needs a mutable mapping as template, got {type(state).__name__}")
         if step is not None and (type(step) is not int or step < 0):
-            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+            raise InvalidArgumentError(f"step must be a non-negative int or None, got {step!r}")
         with self._lock:
             self._check_open()
             self.wait()
@@ -679,11 +727,13 @@ def _replicated_keys(replicated: bool | Iterable[str | int]) -> bool | frozenset
     if replicated is True or replicated is False:
         return replicated
     if isinstance(replicated, (str, bytes)) or not isinstance(replicated, Iterable):
-        raise ValueError(f"replicated must be True, False or a collection of top-level keys, got {replicated!r}")
+        raise InvalidArgumentError(
+            f"replicated must be True, False or a collection of top-level keys, got {replicated!r}"
+        )
     keys = frozenset(replicated)
     for k in keys:
         if type(k) not in (str, int):
-            raise ValueError(f"replicated keys must be str or int, got {k!r}")
+            raise InvalidArgumentError(f"replicated keys must be str or int, got {k!r}")
     return keys or False
 
 
@@ -698,11 +748,11 @@ def _job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[in
     rank = 0 if rank is None else rank
     world_size = 1 if world_size is None else world_size
     if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+        raise InvalidArgumentError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
     if world_size > 1 and store is None:
         found = from_process_group()
         if found is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"world_size={world_size} needs a way to reach the other ranks: initialise the default "
                 "process group (torch.distributed.init_process_group, as torchrun jobs do) or pass store="
             )
@@ -722,7 +772,11 @@ def _with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) 
     return opts
 
 
-def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str) -> None:
+def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str, pid: int) -> None:
+    if os.getpid() != pid:
+        # A fork() child exiting: the pipeline's threads and pending saves are the parent's,
+        # so waiting here would wait for threads that do not exist in this process.
+        return
     pending = pipeline.in_flight()
     warnings.warn(
         f"tiercheck: Checkpointer for {where} was not closed (pending steps: {pending or 'none'}); "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointCorruptedError",
+    "ClosedError",
     "CoordinationError",
+    "InvalidArgumentError",
     "NoCheckpointError",
     "SnapshotChangedError",
     "StateMismatchError",
@@ -18,6 +20,18 @@ __all__ = [
 
 class TiercheckError(Exception):
     """Base of every error tiercheck raises."""
+
+
+class InvalidArgumentError(TiercheckError, ValueError, TypeError):
+    """An argument or option is invalid: a wrong value or a value of the wrong type (an
+    unknown tier name, a negative step, a template that is not a mapping, a bad retention
+    policy); the message names it. Also a `ValueError` and a `TypeError`, so code written
+    against the builtins keeps working."""
+
+
+class ClosedError(TiercheckError, RuntimeError):
+    """The Checkpointer was closed, or this process inherited it through `fork()` and may
+    not use it (its background threads live in the parent): create a new one."""
 
 
 class NoCheckpointError(TiercheckError, FileNotFoundError):

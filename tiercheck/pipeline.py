@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from . import layout
 from .checksum import checksum_function
 from .coordination import CoordinationError, Group, PartReport
-from .errors import TiercheckError, TierError, UploadSkippedError
+from .errors import ClosedError, InvalidArgumentError, TiercheckError, TierError, UploadSkippedError
 from .events import emit, logger
 from .handle import SaveHandle
 from .manifest import (
@@ -175,7 +175,7 @@ class Pipeline:
         group: Group | None = None,
     ) -> None:
         if upload_backlog not in BACKLOG_POLICIES:
-            raise ValueError(f"upload_backlog must be one of {BACKLOG_POLICIES}, got {upload_backlog!r}")
+            raise InvalidArgumentError(f"upload_backlog must be one of {BACKLOG_POLICIES}, got {upload_backlog!r}")
         self.local = local
         self.remote = remote
         self._pool = pool
@@ -210,12 +210,21 @@ class Pipeline:
         tiers = {t.name for t in (self.local, self.remote) if t is not None}
         with self._lock:
             if self._closed:
-                raise RuntimeError("the checkpointer is closed")
+                raise ClosedError("the checkpointer is closed")
             self._tracks[job.step] = _Track(job.handle, set(tiers))
         if finish_staging is not None:
             self._stager.put(_Stage(job, finish_staging))
         else:
             self._write_next(job)
+
+    def forget_unstaged(self, job: StagedSave) -> None:
+        """save() failed while copying `job` and raises: the step is no longer in flight, so
+        the caller may retry it at once. The writer still drops the job (and its buffer)."""
+        with self._lock:
+            track = self._tracks.get(job.step)
+            if track is not None and track.handle is job.handle:
+                del self._tracks[job.step]
+                self._idle.notify_all()
 
     def _write_next(self, job: StagedSave) -> None:
         if self._writer is not None:
@@ -287,8 +296,12 @@ class Pipeline:
 
     # -- bookkeeping -----------------------------------------------------------------
 
-    def _finish(self, step: int, tier: str, error: TiercheckError | None = None) -> None:
-        if error is not None and self._group is not None and self._first_report(step, tier):
+    def _finish(
+        self, step: int, tier: str, error: TiercheckError | None = None, handle: SaveHandle | None = None
+    ) -> None:
+        """Record `step`'s outcome on `tier`. With `handle`, only if that save still owns
+        the step: a save whose copy failed may have been retried with the same step since."""
+        if error is not None and self._group is not None and self._first_report(step, tier, handle):
             try:  # tell the other ranks now, so they do not wait for us until the timeout
                 self._group.coord.abandon(step, tier, str(error))
             except Exception as exc:
@@ -297,6 +310,9 @@ class Pipeline:
             if error is not None:
                 self._sweep[tier] = True
             track = self._tracks.get(step)
+            if handle is not None and (track is None or track.handle is not handle):
+                handle._finish(tier, error)  # no longer in flight, or a retry owns the step now
+                return
             if isinstance(error, TierError):
                 self._errors.append(error)
             if error is None:
@@ -311,11 +327,11 @@ class Pipeline:
         if isinstance(error, TierError):
             logger.error("%s", error)
 
-    def _first_report(self, step: int, tier: str) -> bool:
+    def _first_report(self, step: int, tier: str, handle: SaveHandle | None = None) -> bool:
         """True the first time this rank reports its outcome for `step` on `tier`."""
         with self._lock:
             track = self._tracks.get(step)
-            if track is None or tier in track.reported:
+            if track is None or tier in track.reported or (handle is not None and track.handle is not handle):
                 return False
             track.reported.add(tier)
             return True
@@ -414,10 +430,13 @@ class Pipeline:
         return error
 
     def _drop_unstaged(self, item: StagedSave) -> None:
-        """The copy failed in save(), which raised it to the caller: drop the step quietly."""
-        self._pool.release(item.buffer)
+        """The copy failed in save(), which raised it to the caller: drop the step quietly.
+        The caller may already have retried the same step (after a KeyboardInterrupt, say):
+        only this save's handle fails, not the retry's."""
+        error = TiercheckError(f"step {item.step} was never staged: its save() raised")
         for name in item.handle.tiers:
-            self._finish(item.step, name, TiercheckError(f"step {item.step} was never staged"))
+            self._finish(item.step, name, error, handle=item.handle)
+        self._pool.release(item.buffer)
 
     def _report(self, error: TierError | None) -> None:
         if error is not None:

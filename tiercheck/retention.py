@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from .errors import InvalidArgumentError
+
 __all__ = ["KeepAll", "KeepEvery", "KeepLast", "RetentionPolicy", "as_policy", "plan_deletions"]
 
 
@@ -40,7 +42,7 @@ class KeepLast(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if type(self.n) is not int or self.n < 1:
-            raise ValueError(f"KeepLast(n) needs an int n >= 1, got {self.n!r}")
+            raise InvalidArgumentError(f"KeepLast(n) needs an int n >= 1, got {self.n!r}")
 
     def keep(self, steps: Sequence[int]) -> frozenset[int]:
         return frozenset(steps[-self.n :])
@@ -59,7 +61,7 @@ class KeepEvery(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if type(self.n_steps) is not int or self.n_steps < 1:
-            raise ValueError(f"KeepEvery(n_steps) needs an int >= 1, got {self.n_steps!r}")
+            raise InvalidArgumentError(f"KeepEvery(n_steps) needs an int >= 1, got {self.n_steps!r}")
 
     def keep(self, steps: Sequence[int]) -> frozenset[int]:
         return frozenset(s for s in steps if s % self.n_steps == 0)
@@ -94,7 +96,7 @@ def as_policy(value: int | RetentionPolicy | None, option: str) -> RetentionPoli
         return value
     if type(value) is int:
         return KeepLast(value)
-    raise TypeError(f"{option} must be an int, a retention policy or None, got {value!r}")
+    raise InvalidArgumentError(f"{option} must be an int, a retention policy or None, got {value!r}")
 
 
 def plan_deletions(

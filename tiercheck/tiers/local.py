@@ -17,7 +17,7 @@ import stat
 from collections.abc import Callable
 
 from .. import layout
-from ..errors import CheckpointCorruptedError
+from ..errors import CheckpointCorruptedError, InvalidArgumentError
 from ..throttle import RateLimiter
 from .base import ReadableFile, StepWriter, Tier
 
@@ -58,7 +58,7 @@ class LocalTier(Tier):
         write_rate: float | None = None,
     ) -> None:
         if block_size < (1 << 20) or block_size % 4096:
-            raise ValueError("block_size must be a multiple of 4096 and at least 1 MiB")
+            raise InvalidArgumentError("block_size must be a multiple of 4096 and at least 1 MiB")
         self.name = name
         self.location = os.fspath(root)
         self.root = os.path.abspath(self.location)
