@@ -7,6 +7,7 @@ from .checkpointer import Checkpointer
 from .errors import (
     CheckpointCorruptedError,
     CoordinationError,
+    DirectoryInUseError,
     NoCheckpointError,
     StateMismatchError,
     StepConflictError,
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointCorruptedError",
     "Checkpointer",
     "CoordinationError",
+    "DirectoryInUseError",
     "DrainReport",
     "KeepAll",
     "KeepEvery",
