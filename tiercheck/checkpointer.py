@@ -61,8 +61,8 @@ class Checkpointer:
         keep_local: retention on tier 1: an int n (keep the n newest committed steps),
             a policy (`KeepLast(3) | KeepEvery(1000)`), or None to keep everything.
             The newest committed step and steps being written are never deleted.
-        keep_remote: the same for tier 2; None (the default) keeps everything. A step is
-            never deleted from tier 1 while it waits to be uploaded.
+        keep_remote: the same for tier 2; None (the default) keeps everything. A step tier 2
+            would keep is never deleted from tier 1 before it is on tier 2, and never skipped.
         host_buffers: how many staging buffers (each the size of the state) may exist.
             With 1, a `save()` issued while the previous step is still being written
             waits for it (that wait is counted in the stall); 2 lets it proceed at the cost
@@ -81,9 +81,12 @@ class Checkpointer:
             MiB it moves, before it counts as a transient failure (a hung server cannot stall
             an upload forever). For S3 it is also botocore's connect/read timeout (put into
             ``storage_options["config_kwargs"]`` unless you set it there yourself).
-        upload_backlog: when tier 2 falls behind, "newest" (default) uploads only the newest
-            pending step and skips older pending ones, so the backlog (and the tier-1 steps kept
-            for it) stays bounded; "all" uploads every step, in order.
+        upload_backlog: when tier 2 falls behind, "newest" (default) skips the pending steps
+            that `keep_remote` would delete anyway once newer ones are uploaded, so with
+            ``keep_remote=KeepLast(n)`` the backlog (and the tier-1 steps kept for it) stays
+            bounded by n plus milestones; steps tier 2 would keep (`KeepEvery` milestones,
+            everything under the default ``keep_remote=None``) are always uploaded. "all"
+            uploads every step, in order.
         remote_compression: None (default) or "zstd": store shards zstd-1 compressed on tier 2.
             Measured here: ~0.65 GB/s per core, ratio 1.08 on fp32 and 1.29 on bf16 weights;
             worth it only when the uplink is slower than that.
@@ -206,12 +209,8 @@ class Checkpointer:
         self._overlap = overlap
         self._warned_unguarded = False
         self._guards: dict[int, tuple[weakref.ref[torch.optim.Optimizer], Any]] = {}
-        if self._local is not None:
-            for path in self._local.remove_leftovers():
-                logger.info("removed leftover %s from an interrupted save or deletion", path)
         self._group: Group | None = None
         if world_size > 1:
-            # Leftovers are removed above, before this rendezvous: no rank saves before it.
             self._group = join_group(store, rank, world_size, coordination_timeout, self._local, self._remote)
         self._pipeline = Pipeline(
             self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority, self._group
@@ -268,9 +267,20 @@ class Checkpointer:
 
         The first save otherwise pays for allocating and touching a buffer as large as the
         state; call this at start-up, e.g. right after building the model and optimizer.
+
+        Like the first `save()`, it makes this Checkpointer the writer of its directory (see
+        `save`) and starts the catch-up upload of steps an earlier run left on tier 1 only: a
+        restarted job that may not save again should call it.
+
+        Raises:
+            DirectoryInUseError: another live Checkpointer writes this rank of the directory.
         """
         self._check_open()
         flat = flatten_state(state)
+        with self._lock:
+            self._check_open()
+            self._pipeline.become_writer(self.rank, self.world_size)
+            self._pipeline.start_catch_up()
         plan = self._plan_for(flat)
         buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
         self._pool.release(buf)
@@ -366,8 +376,15 @@ class Checkpointer:
         committed steps after the restored one (the abandoned branch) are deleted first, so
         that a later restore can never pick them up.
 
+        The first `save()` (or `prepare()`) makes this Checkpointer the writer of this rank's
+        part of the tier-1 directory: it takes an OS lock there (released at `close()` or when
+        the process dies), removes the leftovers of interrupted saves, and starts uploading the
+        steps an earlier run committed on tier 1 only that tier 2 would keep. Until then it
+        only reads, so an evaluation script can `restore()` while a job writes.
+
         Raises:
             UnsupportedStateError: a value that cannot be stored; names its key path.
+            DirectoryInUseError: another live Checkpointer writes this rank of the directory.
             StepConflictError: `step` is not newer than the existing or pending steps.
             TierError: an earlier background save failed (raised once).
             ClosedError: the Checkpointer is closed, or was inherited through fork().
@@ -382,6 +399,7 @@ class Checkpointer:
             try:
                 self._raise_background_errors()
                 flat, replicated, remote_owners = self._flatten(state)
+                self._pipeline.become_writer(self.rank, self.world_size)
                 self._claim_step(step)
                 plan = self._plan_for(flat)
                 handle = SaveHandle(step, [t.name for t in self._tiers], self._pipeline.error_seen)

@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointCorruptedError",
     "ClosedError",
     "CoordinationError",
+    "DirectoryInUseError",
     "InvalidArgumentError",
     "NoCheckpointError",
     "SnapshotChangedError",
@@ -74,9 +75,20 @@ class CoordinationError(TiercheckError, TimeoutError):
         self.settled = settled
 
 
+class DirectoryInUseError(TiercheckError, BlockingIOError):
+    """Another live Checkpointer (in this process or another) is already the writer of this
+    rank's part of a tier-1 directory; the message names the directory and that process.
+
+    A Checkpointer becomes a writer at its first `save()` or `prepare()`; one that only
+    restores never takes the lock, so an evaluation script may read a directory a job is
+    writing. The lock is an OS file lock, released when its holder closes or dies.
+    """
+
+
 class UploadSkippedError(TiercheckError):
-    """Raised by `SaveHandle.wait("remote")` for a step that will never reach tier 2: a newer
-    step superseded it while uploads were behind, or it failed on tier 1 first."""
+    """Raised by `SaveHandle.wait("remote")` for a step that will never reach tier 2: uploads
+    were behind and newer steps superseded it (tier-2 retention would delete it anyway), or
+    it failed on tier 1 first."""
 
 
 class TierError(TiercheckError, OSError):

@@ -101,8 +101,9 @@ class SaveHandle:
 
         Raises:
             TierError: the step failed on that tier (raised here, and not again later).
-            UploadSkippedError: the step will never reach tier 2 (superseded by a newer step
-                while uploads were behind, or it failed on tier 1).
+            UploadSkippedError: the step will never reach tier 2 (uploads were behind and
+                newer steps superseded it, so tier-2 retention would delete it anyway; or it
+                failed on tier 1).
             WaitTimeoutError: `timeout` seconds passed first.
             ClosedError: called in a fork() child while the save is pending.
         """

@@ -4,6 +4,13 @@ Durability protocol for a step: files are written into a temp directory, each fs
 the commit marker is written and fsynced last; the temp directory is fsynced, renamed to
 its step name, and the parent fsynced. Deletion renames the step directory to a trash name (so the
 step, marker included, disappears atomically), fsyncs the parent, then removes it.
+
+Ownership: a process writes rank r's part of a directory only while it holds an exclusive
+`flock` on the file ``.tiercheck-lock-rank-<r>`` there (`claim_writer`). The kernel releases
+it when the holder closes it or dies, SIGKILL included, so a killed job never blocks its own
+restart, and a forked child closes its inherited copy at once, so a data-loader worker that
+outlives its trainer does not hold it either. Leftover temp directories are swept only by the
+holder of their rank's lock; readers take no lock and never modify the directory.
 """
 
 from __future__ import annotations
@@ -13,15 +20,24 @@ import errno
 import os
 import secrets
 import shutil
+import socket
 import stat
+import weakref
 from collections.abc import Callable
 
 from .. import layout
-from ..errors import CheckpointCorruptedError, InvalidArgumentError
+from ..errors import CheckpointCorruptedError, DirectoryInUseError, InvalidArgumentError
+from ..events import logger
 from ..throttle import RateLimiter
 from .base import ReadableFile, StepWriter, Tier
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no writer lock
+    fcntl = None  # type: ignore[assignment]
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def fsync_dir(path: str) -> None:
@@ -66,6 +82,7 @@ class LocalTier(Tier):
         self.fsync = fsync
         self.block_size = block_size
         self.limiter = RateLimiter(write_rate)
+        self._writer_lock: weakref.finalize[..., LocalTier] | None = None  # closes the lock file
 
     def path_of(self, step: int, name: str | None = None) -> str:
         d = os.path.join(self.root, layout.step_dir_name(step))
@@ -162,7 +179,9 @@ class LocalTier(Tier):
             fsync_dir(self.root)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def remove_leftovers(self) -> list[str]:
+    def remove_leftovers(self, owned: Callable[[int | None], bool] | None = None) -> list[str]:
+        """Remove temp and trash directories; with `owned`, only the temp directories of the
+        ranks it accepts (it gets None for a trash directory, which has no rank)."""
         removed = []
         try:
             it = os.scandir(self.root)
@@ -170,10 +189,82 @@ class LocalTier(Tier):
             return []
         with it:
             for entry in it:
-                if layout.is_leftover(entry.name) and entry.is_dir(follow_symlinks=False):
+                if not (layout.is_leftover(entry.name) and entry.is_dir(follow_symlinks=False)):
+                    continue
+                if owned is None or owned(layout.leftover_rank(entry.name)):
                     shutil.rmtree(entry.path, ignore_errors=True)
                     removed.append(entry.path)
         return removed
+
+    # -- ownership ------------------------------------------------------------------
+
+    def claim_writer(self, rank: int, world_size: int) -> list[str]:
+        """Take rank `rank`'s writer lock (DirectoryInUseError if a live process holds it),
+        then sweep: this rank's temp directories, trash directories, and the temp directories
+        of ranks beyond `world_size` whose lock no live process holds. The other ranks of the
+        job sweep their own."""
+        if self._writer_lock is None:
+            os.makedirs(self.root, exist_ok=True)
+            fd = self._lock(rank, refuse=True)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+                self._writer_lock = weakref.finalize(self, _close_quietly, fd)
+                _LOCK_HOLDERS.add(self)
+        borrowed: dict[int, int | None] = {}
+
+        def owned(r: int | None) -> bool:
+            if r is None or r == rank:
+                return True
+            if r < world_size:
+                return False
+            if r not in borrowed:  # held until the sweep ends, so no writer of r starts meanwhile
+                borrowed[r] = self._lock(r, refuse=False)
+            return borrowed[r] is not None
+
+        try:
+            return self.remove_leftovers(owned)
+        finally:
+            for fd in borrowed.values():
+                if fd is not None:
+                    _close_quietly(fd)
+
+    def release_writer(self) -> None:
+        if self._writer_lock is not None:
+            self._writer_lock()  # closing the file releases the lock
+            self._writer_lock = None
+        _LOCK_HOLDERS.discard(self)
+
+    def _lock(self, rank: int, refuse: bool) -> int | None:
+        """An open descriptor holding rank `rank`'s lock; if another holds it, raise
+        DirectoryInUseError (`refuse`) or return None. Also None where the filesystem has no
+        flock (some network filesystems): then nothing is enforced, as before locks existed."""
+        if fcntl is None:
+            return None
+        path = os.path.join(self.root, layout.lock_name(rank))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            held = exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+            holder = _read_holder(fd) if held else ""
+            os.close(fd)
+            if not held:
+                if refuse:
+                    logger.warning("tiercheck: cannot lock %s (%s); two writers of it would not be detected", path, exc)
+                return None
+            if not refuse:
+                return None
+            if holder.startswith(f"pid {os.getpid()} "):
+                holder = "a Checkpointer of this process that is not closed yet"
+            raise DirectoryInUseError(
+                f"{self.root} is already being written for rank {rank} by {holder or 'another process'} "
+                f"(it holds the lock {path}). Two writers of one directory would delete each other's "
+                "files. Close or stop the other writer, or give this one its own directory; a "
+                "Checkpointer that only restores (or tiercheck.load) takes no lock and may run alongside."
+            ) from None
+        return fd
 
     # -- writing ------------------------------------------------------------------
 
@@ -221,6 +312,32 @@ class LocalTier(Tier):
                 os.fsync(fd)
         finally:
             os.close(fd)
+
+
+_LOCK_HOLDERS: weakref.WeakSet[LocalTier] = weakref.WeakSet()
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _read_holder(fd: int) -> str:
+    with contextlib.suppress(OSError):
+        return os.pread(fd, 200, 0).decode(errors="replace").strip()
+    return ""
+
+
+def _drop_inherited_locks() -> None:
+    # A forked child shares its parent's open lock file: closing the child's copy keeps the
+    # lock with the parent alone, so it is released when the parent dies, whatever children
+    # (data-loader workers) live on.
+    for tier in list(_LOCK_HOLDERS):
+        tier.release_writer()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class _LocalStepWriter(StepWriter):
