@@ -9,6 +9,8 @@ Each test crafts step 2 over a good step 1 and checks that the reader
 * does not follow a path out of the step directory, even to a valid copy of the shard;
 * does not allocate what a manifest claims before checking it against the files;
 * does not recurse without bound on deep JSON, hang on a FIFO, or read /dev/zero forever;
+* does not inflate a compressed shard past its declared length, or parse a manifest into
+  many times its size in memory;
 * never unpickles anything;
 * and, asked for the newest step, skips the hostile one and restores step 1 bit-exact.
 
@@ -39,6 +41,7 @@ from hypothesis import strategies as st
 
 import tiercheck
 from tiercheck import layout
+from tiercheck.__main__ import main as cli
 from tiercheck.checksum import checksum_function
 from tiercheck.errors import CheckpointCorruptedError, NoCheckpointError
 
@@ -322,6 +325,91 @@ def test_a_marker_claiming_a_huge_manifest_under_a_memory_limit(crafted: Crafted
             warnings.simplefilter("ignore")
             got = tiercheck.load(crafted.root)
     assert_is_step(got, 1)
+
+
+# ------------------------------------------------- compressed shards: zstd bombs
+
+
+def _zstd_frame(*parts: bytes | int) -> bytes:
+    """One zstd frame, streamed as the remote tier writes it, of `parts` in order: bytes as
+    given, an int n as n zero bytes (a few bytes of zstd per 128 KiB of zeros)."""
+    import zstandard
+
+    cobj = zstandard.ZstdCompressor(level=1).compressobj()
+    out = []
+    for part in parts:
+        if isinstance(part, int):
+            zeros = bytes(min(part, 8 << 20))
+            for pos in range(0, part, len(zeros)):
+                out.append(cobj.compress(zeros if part - pos >= len(zeros) else zeros[: part - pos]))
+        else:
+            out.append(cobj.compress(part))
+    out.append(cobj.flush())
+    return b"".join(out)
+
+
+def _store_compressed(c: Crafted, stored: bytes) -> None:
+    """Step 2's shard replaced by `stored`, declared zstd (the declared length unchanged)."""
+    (c.dir / SHARD).write_bytes(stored)
+    doc = c.doc()
+    doc["files"][0].update(codec="zstd", stored_length=len(stored))
+    c.seal(doc)
+
+
+def _verify_step_2(c: Crafted, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli(["verify", str(c.root), "--step", "2"])
+    return rc, capsys.readouterr().out
+
+
+def test_a_compressed_shard_of_several_frames_reads_back(crafted: Crafted, capsys: pytest.CaptureFixture[str]) -> None:
+    """The format allows one or more frames that decompress to exactly the declared length."""
+    half = len(crafted.shard) // 2 + 100
+    _store_compressed(crafted, _zstd_frame(crafted.shard[:half]) + _zstd_frame(crafted.shard[half:]))
+    assert_is_step(tiercheck.load(crafted.root, step=2), 2)
+    assert _verify_step_2(crafted, capsys) == (0, "step 2: ok (1 rank)\n")
+
+
+BAD_STREAMS: dict[str, Callable[[bytes], bytes]] = {
+    "512MiB-past-the-end": lambda shard: _zstd_frame(shard, 512 << 20),
+    "one-byte-past-the-end": lambda shard: _zstd_frame(shard, b"\1"),
+    "one-byte-short": lambda shard: _zstd_frame(shard[:-1]),
+    "junk-after-the-frame": lambda shard: _zstd_frame(shard) + b"junk",
+    "a-second-frame-past-the-end": lambda shard: _zstd_frame(shard) + _zstd_frame(b"\1"),
+}
+
+
+@pytest.mark.parametrize("stream", list(BAD_STREAMS))
+def test_a_compressed_shard_that_is_not_its_declared_length_is_corruption(
+    crafted: Crafted, capsys: pytest.CaptureFixture[str], stream: str
+) -> None:
+    """Every entry's bytes are intact, but the shard does not decompress to exactly the
+    declared length: the step is refused, not read as if it did."""
+    _store_compressed(crafted, BAD_STREAMS[stream](crafted.shard))
+    rc, out = _verify_step_2(crafted, capsys)
+    assert rc == 1 and "step 2: FAILED" in out and SHARD in out, out
+    assert_rejected_everywhere(crafted)
+
+
+def test_a_decompression_bomb_is_read_in_bounded_memory(crafted: Crafted, capsys: pytest.CaptureFixture[str]) -> None:
+    """16 KiB on disk that inflate to 512 MiB: the reader never holds more than a fixed
+    buffer of decompressed bytes beyond the declared length (16 KiB here)."""
+    bomb = _zstd_frame(crafted.shard, 512 << 20)
+    assert len(bomb) < 32 << 10
+    _store_compressed(crafted, bomb)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptedError, match="more than"):
+            tiercheck.load(crafted.root, step=2)
+        peak_load = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        rc, out = _verify_step_2(crafted, capsys)
+        peak_verify = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rc == 1 and "more than" in out, out
+    assert peak_load < 4 << 20, f"load: {peak_load >> 20} MiB allocated for a {len(bomb)}-byte shard"
+    assert peak_verify < 4 << 20, f"verify: {peak_verify >> 20} MiB allocated for a {len(bomb)}-byte shard"
 
 
 # ------------------------------------------------------------------- deep nesting
