@@ -11,6 +11,7 @@ Each test crafts step 2 over a good step 1 and checks that the reader
 * does not recurse without bound on deep JSON, hang on a FIFO, or read /dev/zero forever;
 * does not inflate a compressed shard past its declared length, or parse a manifest into
   many times its size in memory;
+* does not follow a symbolic link out of the step directory;
 * never unpickles anything;
 * and, asked for the newest step, skips the hostile one and restores step 1 bit-exact.
 
@@ -24,6 +25,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import threading
 import time
 import tracemalloc
@@ -43,7 +45,7 @@ import tiercheck
 from tiercheck import layout
 from tiercheck.__main__ import main as cli
 from tiercheck.checksum import checksum_function
-from tiercheck.errors import CheckpointCorruptedError, NoCheckpointError
+from tiercheck.errors import CheckpointCorruptedError, NoCheckpointError, TierError
 
 SHARD = layout.shard_name(0, 1)
 MANIFEST = layout.manifest_name(0, 1)
@@ -410,6 +412,52 @@ def test_a_decompression_bomb_is_read_in_bounded_memory(crafted: Crafted, capsys
     assert rc == 1 and "more than" in out, out
     assert peak_load < 4 << 20, f"load: {peak_load >> 20} MiB allocated for a {len(bomb)}-byte shard"
     assert peak_verify < 4 << 20, f"verify: {peak_verify >> 20} MiB allocated for a {len(bomb)}-byte shard"
+
+
+# ------------------------------------------------------ links out of the step dir
+
+
+@pytest.mark.parametrize("name", [SHARD, MANIFEST, COMMIT, "the step directory"])
+def test_a_symlink_to_a_valid_copy_outside_is_refused(
+    crafted: Crafted, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A link to a valid copy of the file (or of the whole step) outside the tier: following
+    it would read bytes from outside the step directory, so the reader refuses it."""
+    outside = tmp_path / "outside"
+    if name == "the step directory":
+        shutil.copytree(crafted.dir, outside)
+        shutil.rmtree(crafted.dir)
+        crafted.dir.symlink_to(outside, target_is_directory=True)
+    else:
+        shutil.copyfile(crafted.dir / name, outside)
+        (crafted.dir / name).unlink()
+        (crafted.dir / name).symlink_to(outside)
+    rc, out = _verify_step_2(crafted, capsys)
+    assert rc == 1 and "step 2: FAILED" in out and "symbolic link" in out, out
+    with pytest.raises(CheckpointCorruptedError, match="symbolic link"):
+        tiercheck.load(crafted.root, step=2)
+    assert_rejected_everywhere(crafted)
+    remote = tmp_path / "remote"  # nor does the upload of step 2 (a catch-up at start) copy it
+    ckpt = tiercheck.Checkpointer(local=crafted.root, remote=f"file://{remote}", keep_local=None)
+    with ckpt, pytest.raises(TierError, match="symbolic link") as err:
+        ckpt.wait()
+    assert (err.value.step, err.value.tier) == (2, "remote")
+    assert not (remote / layout.step_dir_name(2)).exists()
+
+
+def test_a_symlink_inside_the_step_dir_is_refused_too(crafted: Crafted) -> None:
+    """Not only links that leave the directory: the reader follows no link at all."""
+    (crafted.dir / SHARD).rename(crafted.dir / "copy")
+    (crafted.dir / SHARD).symlink_to("copy")
+    with pytest.raises(CheckpointCorruptedError, match="symbolic link"):
+        tiercheck.load(crafted.root, step=2)
+
+
+def test_a_root_reached_through_a_symlink_still_reads(crafted: Crafted, tmp_path: Path) -> None:
+    """The tier's root itself is the user's choice of path and may be a link."""
+    link = tmp_path / "link-to-root"
+    link.symlink_to(crafted.root, target_is_directory=True)
+    assert_is_step(tiercheck.load(link, step=2), 2)
 
 
 # ------------------------------------------------------------------- deep nesting
