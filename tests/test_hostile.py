@@ -460,6 +460,32 @@ def test_a_root_reached_through_a_symlink_still_reads(crafted: Crafted, tmp_path
     assert_is_step(tiercheck.load(link, step=2), 2)
 
 
+# ------------------------------------------- a manifest damaged before its upload
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_an_upload_never_re_signs_a_manifest_damaged_on_tier1(
+    crafted: Crafted, tmp_path: Path, compression: str | None
+) -> None:
+    """Step 2's manifest changes on tier 1 after its commit, in a plain value that no shard
+    checksum covers. An upload that rewrites the manifest for tier 2 (here: compression)
+    must not seal the damaged copy with a fresh, valid marker there."""
+    damaged = crafted.manifest.replace(b'"v":"s2"', b'"v":"s9"')
+    assert damaged != crafted.manifest and json.loads(damaged)  # still a well-formed manifest
+    (crafted.dir / MANIFEST).write_bytes(damaged)
+    remote = tmp_path / "remote"
+    url = f"file://{remote}"
+    # The Checkpointer starts by uploading step 2, committed on tier 1 but not on tier 2.
+    ckpt = tiercheck.Checkpointer(local=crafted.root, remote=url, keep_local=None, remote_compression=compression)
+    with ckpt, pytest.raises(TierError) as err:
+        ckpt.wait()
+    assert (err.value.step, err.value.tier) == (2, "remote")
+    assert str(crafted.dir / MANIFEST) in str(err.value) and "commit marker" in str(err.value)
+    assert not (remote / layout.step_dir_name(2)).exists()
+    with pytest.raises(NoCheckpointError):
+        tiercheck.load(url)
+
+
 # ------------------------------------------------------------------- deep nesting
 
 

@@ -372,6 +372,13 @@ def read_marker(tier: Tier, step: int) -> Marker:
 
 def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> Manifest:
     """Read and verify one rank's manifest of `step` against the commit marker."""
+    return read_manifest_with_bytes(tier, step, rank, marker)[1]
+
+
+def read_manifest_with_bytes(
+    tier: Tier, step: int, rank: int, marker: Marker | None = None
+) -> tuple[bytes, Manifest]:
+    """`read_manifest`, with the bytes it decoded (those the marker's checksum covers)."""
     if marker is None:
         marker = read_marker(tier, step)
     if not 0 <= rank < marker.world_size:
@@ -399,7 +406,7 @@ def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None
         raise CheckpointCorruptedError(
             f"{mwhere}: checksum algorithm {manifest.checksum_algorithm!r}, marker says {marker.checksum_algorithm!r}"
         )
-    return manifest
+    return data, manifest
 
 
 def read_step(
