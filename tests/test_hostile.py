@@ -46,6 +46,9 @@ from tiercheck import layout
 from tiercheck.__main__ import main as cli
 from tiercheck.checksum import checksum_function
 from tiercheck.errors import CheckpointCorruptedError, NoCheckpointError, TierError
+from tiercheck.manifest import MAX_MANIFEST_BYTES, Manifest, ShardFile, build_entries, decode_manifest, encode_manifest
+from tiercheck.planner import plan_shard
+from tiercheck.state import JsonNode, flatten_state
 
 SHARD = layout.shard_name(0, 1)
 MANIFEST = layout.manifest_name(0, 1)
@@ -293,8 +296,9 @@ def test_a_huge_compressed_claim_fails_cleanly(crafted: Crafted) -> None:
     assert time.monotonic() - t0 < 5
 
 
-def test_a_marker_claiming_a_huge_manifest_allocates_no_more_than_the_file(crafted: Crafted) -> None:
-    crafted.seal(crafted.manifest, length=2**30)  # the largest the reader accepts
+@pytest.mark.parametrize("claim", [MAX_MANIFEST_BYTES, MAX_MANIFEST_BYTES + 1, 2**40])
+def test_a_marker_claiming_a_huge_manifest_allocates_no_more_than_the_file(crafted: Crafted, claim: int) -> None:
+    crafted.seal(crafted.manifest, length=claim)  # the largest the reader accepts, and more
     tracemalloc.start()
     try:
         with pytest.raises(CheckpointCorruptedError):
@@ -319,7 +323,7 @@ def address_space_limit(headroom: int) -> Iterator[None]:
 
 
 def test_a_marker_claiming_a_huge_manifest_under_a_memory_limit(crafted: Crafted) -> None:
-    crafted.seal(crafted.manifest, length=2**30)
+    crafted.seal(crafted.manifest, length=MAX_MANIFEST_BYTES)
     with address_space_limit(512 << 20):
         with pytest.raises(CheckpointCorruptedError):
             tiercheck.load(crafted.root, step=2)
@@ -484,6 +488,131 @@ def test_an_upload_never_re_signs_a_manifest_damaged_on_tier1(
     assert not (remote / layout.step_dir_name(2)).exists()
     with pytest.raises(NoCheckpointError):
         tiercheck.load(url)
+
+
+# ------------------------------------------------------------- manifest parse cost
+
+
+def _model_manifest(layers: int) -> bytes:
+    """A writer's manifest of a transformer's weights and Adam state (each tensor a view of one
+    element, so no bytes are allocated), as `Checkpointer` builds it."""
+    names = [
+        (f"model.layers.{i}.{m}", shape)
+        for i in range(layers)
+        for m, shape in [
+            *((f"self_attn.{p}_proj.weight", (4096, 4096)) for p in "qkvo"),
+            *((f"mlp.{p}_proj.weight", (4096, 11008)) for p in ("gate", "up", "down")),
+            ("input_layernorm.weight", (4096,)),
+            ("post_attention_layernorm.weight", (4096,)),
+        ]
+    ]
+    big = {shape: torch.zeros(1) for _, shape in names}
+    state = {
+        "model": {name: big[shape].expand(shape) for name, shape in names},
+        "optimizer": {
+            "state": {
+                i: {"step": torch.zeros(()), "exp_avg": big[s].expand(s), "exp_avg_sq": big[s].expand(s)}
+                for i, (_, s) in enumerate(names)
+            },
+            "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "params": list(range(len(names)))}],
+        },
+        "step": 7,
+    }
+    flat = flatten_state(state)
+    plan = plan_shard(flat.leaves)
+    entries = build_entries(flat.leaves, plan.offsets, ["0123abcd"] * len(flat.leaves), SHARD)
+    return encode_manifest(Manifest(2, 0, 1, "crc32c", (ShardFile(SHARD, plan.total_bytes),), entries, flat.tree))
+
+
+def _tree_manifest(items: list[JsonNode], keys: list[list[str]] | None = None) -> bytes:
+    """A manifest without entries whose tree holds `items` as one list (or as a dict's values)."""
+    value: JsonNode = {"t": "list", "v": items} if keys is None else {"t": "dict", "k": keys, "v": items}
+    return encode_manifest(Manifest(2, 0, 1, "crc32c", (), (), {"t": "dict", "k": [["s", "x"]], "v": [value]}))
+
+
+PARSED_SHAPES: dict[str, Callable[[], bytes]] = {
+    "a model and its Adam state": lambda: _model_manifest(120),
+    "a list of None": lambda: _tree_manifest([{"t": "none"}] * 60_000),
+    "a list of distinct ints": lambda: _tree_manifest([{"t": "int", "v": str(i)} for i in range(60_000)]),
+    "a list of empty lists": lambda: _tree_manifest([{"t": "list", "v": []}] * 60_000),
+    "a dict of int keys to None": lambda: _tree_manifest(
+        [{"t": "none"}] * 60_000, [["i", str(i)] for i in range(60_000)]
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", list(PARSED_SHAPES))
+def test_parsing_a_writers_manifest_allocates_a_small_multiple_of_it(shape: str) -> None:
+    """About a MiB of each shape: a model's manifest parses into about 5x its bytes (the
+    result itself), and no writer's shape into more than 12x (it was up to 20x)."""
+    data = PARSED_SHAPES[shape]()
+    assert len(data) > 700 << 10
+    tracemalloc.start()
+    try:
+        decode_manifest(data, shape)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    bound = 6 if shape == "a model and its Adam state" else 12
+    assert peak < bound * len(data), f"{peak / len(data):.1f}x the {len(data)}-byte manifest"
+
+
+def _sealed_junk(c: Crafted, unit: bytes, total: int) -> int:
+    """Step 2's manifest with an ignored field of `unit` repeated up to `total` bytes in all,
+    sealed; returns the manifest's size."""
+    doc = c.manifest
+    n = (total - len(doc)) // (len(unit) + 1)
+    data = doc.replace(b'"tree":', b'"junk":[' + b",".join([unit] * n) + b'],"tree":', 1)
+    c.seal(data)
+    return len(data)
+
+
+def test_a_manifest_of_nested_arrays_is_refused_before_parsing(crafted: Crafted) -> None:
+    """24 MiB of `[[]]` in a field readers ignore cost 35x its bytes in memory to parse; it is
+    denser in arrays than any writer's manifest, and refused before parsing."""
+    size = _sealed_junk(crafted, b"[[]]", 24 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptedError, match="denser than any writer"):
+            tiercheck.load(crafted.root, step=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * size, f"{peak / size:.1f}x the {size}-byte manifest"
+    assert_rejected_everywhere(crafted)
+
+
+@pytest.mark.parametrize("unit", [b"{}", b'{"a":0}', b'{"t":"int"}'])
+def test_objects_of_no_kind_in_a_manifest_cost_no_memory(crafted: Crafted, unit: bytes) -> None:
+    """Objects the format does not define, in a field readers ignore, are dropped as they are
+    parsed (they cost up to 25x their bytes): the step still reads, in a few times its size."""
+    size = _sealed_junk(crafted, unit, 1 << 20)
+    tracemalloc.start()
+    try:
+        got = tiercheck.load(crafted.root, step=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert_is_step(got, 2)
+    assert peak < 5 * size, f"{peak / size:.1f}x the {size}-byte manifest"
+
+
+def test_a_state_whose_manifest_is_over_the_limit_is_refused_at_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer never commits a step whose manifest no reader would accept: the save fails
+    with a TierError naming the limit, and the step is not listed. (The limit is lowered so
+    that a small state crosses it.)"""
+    import tiercheck.manifest
+
+    monkeypatch.setattr(tiercheck.manifest, "MAX_MANIFEST_BYTES", 64 << 10)
+    with tiercheck.Checkpointer(local=tmp_path / "c") as ckpt:
+        ckpt.save(1, {"small": list(range(10))}).wait()
+        handle = ckpt.save(2, {"many": list(range(10_000))})
+        with pytest.raises(TierError, match="over the format's limit") as err:
+            handle.wait()
+        assert (err.value.step, err.value.tier) == (2, "local")
+        assert ckpt.steps() == [1]
 
 
 # ------------------------------------------------------------------- deep nesting

@@ -21,12 +21,20 @@ from .checksum import ALGORITHMS, checksum_function, checksum_stream
 from .coordination import Coordinator
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
-from .manifest import Entry, Manifest, Marker, ShardFile, decode_key, decode_manifest, decode_marker
+from .manifest import (
+    MAX_MANIFEST_BYTES,
+    Entry,
+    Manifest,
+    Marker,
+    ShardFile,
+    decode_key,
+    decode_manifest,
+    decode_marker,
+)
 from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
 
 MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
-MAX_MANIFEST_BYTES = 1 << 30
 
 Producer = Callable[[], object]
 _MISSING = object()
@@ -375,9 +383,7 @@ def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None
     return read_manifest_with_bytes(tier, step, rank, marker)[1]
 
 
-def read_manifest_with_bytes(
-    tier: Tier, step: int, rank: int, marker: Marker | None = None
-) -> tuple[bytes, Manifest]:
+def read_manifest_with_bytes(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> tuple[bytes, Manifest]:
     """`read_manifest`, with the bytes it decoded (those the marker's checksum covers)."""
     if marker is None:
         marker = read_marker(tier, step)
