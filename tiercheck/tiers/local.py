@@ -299,6 +299,8 @@ def _open_step_file(step_dir: str, name: str) -> int:
         CheckpointCorruptedError: the step directory or the file is a symbolic link, or the
             file is not a regular file.
     """
+    if os.sep in name or name in (".", ".."):  # one component, or O_NOFOLLOW guards only the last
+        raise CheckpointCorruptedError(f"{step_dir}: {name!r} is not a file name of this format")
     try:
         dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
