@@ -47,21 +47,18 @@ from .manifest import (
     ShardFile,
     assignment_digest,
     build_entries,
-    decode_manifest,
-    decode_marker,
     encode_manifest,
     encode_marker,
 )
 from .planner import ShardPlan
 from .priority import lower_current_thread
-from .restore import present_manifests, read_marker, verify_files
+from .restore import present_manifests, read_manifest_with_bytes, read_marker, verify_files
 from .retarget import Key, Retargeted, balance, region_chunks, replicated_sizes, retarget
 from .retention import KeepAll, RetentionPolicy, plan_catch_up, plan_deletions, superseded
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
 from .state import FlatState, JsonNode, Leaf
 from .tiers.base import StepWriter, Tier
 
-MAX_META_BYTES = 1 << 30
 BACKLOG_POLICIES = ("newest", "all")
 
 
@@ -676,11 +673,12 @@ class Pipeline:
     def _copy_from_local(self, step: int, rank: int, owners: dict[Key, int]) -> None:
         src, dst = self.local, self.remote
         assert src is not None and dst is not None
-        marker_bytes = src.read_bytes(step, layout.COMMIT_NAME, MAX_META_BYTES)
-        marker = decode_marker(marker_bytes, src.path_of(step, layout.COMMIT_NAME))
+        # The manifest is checked against the marker before anything else: a copy damaged on
+        # tier 1 after its commit must not reach tier 2, least of all under a marker signed
+        # anew there for a rewritten manifest (compressed or retargeted).
+        marker = read_marker(src, step)
+        manifest_bytes, manifest = read_manifest_with_bytes(src, step, rank, marker)
         ref = marker.manifests[rank]
-        manifest_bytes = src.read_bytes(step, ref.file, ref.length)
-        manifest = decode_manifest(manifest_bytes, src.path_of(step, ref.file))
         verify_files(src, step, manifest)  # never spread a copy that went bad on tier 1
         moved = retarget(manifest, owners) if owners else None
         writer = dst.open_step(step, rank, shared=self._group is not None)

@@ -151,7 +151,7 @@ class LocalTier(Tier):
             fsync_dir(final)
 
     def read_bytes(self, step: int, name: str, limit: int) -> bytes:
-        f = _LocalFile(self.path_of(step, name))
+        f = _LocalFile(self.path_of(step), name)
         try:
             if f.size > limit:
                 raise CheckpointCorruptedError(f"{f.path}: {f.size} bytes, over the {limit}-byte limit")
@@ -164,7 +164,7 @@ class LocalTier(Tier):
             f.close()
 
     def open_file(self, step: int, name: str) -> ReadableFile:
-        return _LocalFile(self.path_of(step, name))
+        return _LocalFile(self.path_of(step), name)
 
     def delete_step(self, step: int) -> None:
         # One atomic rename hides the whole step, marker included, before any data goes; a
@@ -406,16 +406,50 @@ class _LocalStepWriter(StepWriter):
                 os.unlink(path)
 
 
-class _LocalFile(ReadableFile):
-    def __init__(self, path: str) -> None:
-        self.path = path
+def _open_step_file(step_dir: str, name: str) -> int:
+    """A read-only descriptor of file `name` of a step, following no symbolic link from the
+    tier's root down: tiercheck writes none, and one planted in a checkpoint must not make
+    the reader open a file outside its step directory (the root itself is the user's path
+    and may be reached through links).
+
+    Raises:
+        CheckpointCorruptedError: the step directory or the file is a symbolic link, or the
+            file is not a regular file.
+    """
+    if os.sep in name or name in (".", ".."):  # one component, or O_NOFOLLOW guards only the last
+        raise CheckpointCorruptedError(f"{step_dir}: {name!r} is not a file name of this format")
+    try:
+        dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(step_dir):
+            raise CheckpointCorruptedError(
+                f"{step_dir}: the step directory is a symbolic link; tiercheck follows none inside a tier "
+                "(copy the step directory in instead)"
+            ) from None
+        raise
+    path = os.path.join(step_dir, name)
+    try:
         # O_NONBLOCK: opening a FIFO planted in a checkpoint must not wait for a writer.
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        st = os.fstat(self._fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(self._fd)
-            raise CheckpointCorruptedError(f"{path}: not a regular file")
-        self.size = st.st_size
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointCorruptedError(
+                f"{path}: a symbolic link; tiercheck follows none inside a tier (copy the file in instead)"
+            ) from None
+        raise
+    finally:
+        os.close(dfd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointCorruptedError(f"{path}: not a regular file")
+    return fd
+
+
+class _LocalFile(ReadableFile):
+    def __init__(self, step_dir: str, name: str) -> None:
+        self.path = os.path.join(step_dir, name)
+        self._fd = _open_step_file(step_dir, name)
+        self.size = os.fstat(self._fd).st_size
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         pos, total = 0, len(dest)
