@@ -441,9 +441,10 @@ def test_a_symlink_to_a_valid_copy_outside_is_refused(
     with pytest.raises(CheckpointCorruptedError, match="symbolic link"):
         tiercheck.load(crafted.root, step=2)
     assert_rejected_everywhere(crafted)
-    remote = tmp_path / "remote"  # nor does the upload of step 2 (a catch-up at start) copy it
+    remote = tmp_path / "remote"  # nor does the upload of step 2 (a writer's catch-up at start) copy it
     ckpt = tiercheck.Checkpointer(local=crafted.root, remote=f"file://{remote}", keep_local=None)
     with ckpt, pytest.raises(TierError, match="symbolic link") as err:
+        ckpt.prepare({"x": torch.zeros(1)})  # a writer now: it catches tier 2 up
         ckpt.wait()
     assert (err.value.step, err.value.tier) == (2, "remote")
     assert not (remote / layout.step_dir_name(2)).exists()
@@ -479,15 +480,16 @@ def test_an_upload_never_re_signs_a_manifest_damaged_on_tier1(
     (crafted.dir / MANIFEST).write_bytes(damaged)
     remote = tmp_path / "remote"
     url = f"file://{remote}"
-    # The Checkpointer starts by uploading step 2, committed on tier 1 but not on tier 2.
+    # A writer starts by uploading step 2, committed on tier 1 but not on tier 2.
     ckpt = tiercheck.Checkpointer(local=crafted.root, remote=url, keep_local=None, remote_compression=compression)
     with ckpt, pytest.raises(TierError) as err:
+        ckpt.prepare({"x": torch.zeros(1)})
         ckpt.wait()
     assert (err.value.step, err.value.tier) == (2, "remote")
     assert str(crafted.dir / MANIFEST) in str(err.value) and "commit marker" in str(err.value)
     assert not (remote / layout.step_dir_name(2)).exists()
-    with pytest.raises(NoCheckpointError):
-        tiercheck.load(url)
+    with pytest.raises(NoCheckpointError):  # step 1, intact, was caught up; step 2 never
+        tiercheck.load(url, step=2)
 
 
 # ------------------------------------------------------------- manifest parse cost
