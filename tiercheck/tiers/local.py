@@ -202,14 +202,37 @@ class LocalTier(Tier):
         """Take rank `rank`'s writer lock (DirectoryInUseError if a live process holds it),
         then sweep: this rank's temp directories, trash directories, and the temp directories
         of ranks beyond `world_size` whose lock no live process holds. The other ranks of the
-        job sweep their own."""
+        job sweep their own.
+
+        A directory that cannot hold the lock (full, read-only, no flock on this filesystem)
+        is written unlocked, with a warning: the write itself then fails (or not) as before,
+        in the background, and never stops training here."""
         if self._writer_lock is None:
-            os.makedirs(self.root, exist_ok=True)
-            fd = self._lock(rank, refuse=True)
-            if fd is not None:
+            path = os.path.join(self.root, layout.lock_name(rank))
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                fd = self._lock(rank)
+            except OSError as exc:
+                logger.warning("tiercheck: cannot lock %s (%r); a second writer would not be detected", path, exc)
+                fd = -1
+            if fd is None:
+                raise DirectoryInUseError(
+                    f"{self.root} is already being written for rank {rank} by {_read_holder(path)} "
+                    f"(it holds the lock {path}). Two writers of one directory would delete each "
+                    "other's files. Close or stop the other writer, or give this one its own directory; "
+                    "a Checkpointer that only restores (or tiercheck.load) takes no lock and may run "
+                    "alongside."
+                )
+            if fd >= 0:
+                # Who holds it, for the error a second writer gets; through a descriptor of its
+                # own, closed at once: a file held open for writing would block a read-only
+                # remount of the filesystem.
                 with contextlib.suppress(OSError):
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+                    holder = os.open(path, os.O_WRONLY | os.O_TRUNC | _O_CLOEXEC)
+                    try:
+                        os.write(holder, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+                    finally:
+                        os.close(holder)
                 self._writer_lock = weakref.finalize(self, _close_quietly, fd)
                 _LOCK_HOLDERS.add(self)
         borrowed: dict[int, int | None] = {}
@@ -220,14 +243,21 @@ class LocalTier(Tier):
             if r < world_size:
                 return False
             if r not in borrowed:  # held until the sweep ends, so no writer of r starts meanwhile
-                borrowed[r] = self._lock(r, refuse=False)
-            return borrowed[r] is not None
+                try:
+                    borrowed[r] = self._lock(r)
+                except OSError:
+                    borrowed[r] = None
+            fd = borrowed[r]
+            return fd is not None and fd >= 0
 
         try:
             return self.remove_leftovers(owned)
+        except OSError as exc:
+            logger.warning("tiercheck: cannot sweep leftovers in %s: %r", self.root, exc)
+            return []
         finally:
             for fd in borrowed.values():
-                if fd is not None:
+                if fd is not None and fd >= 0:
                     _close_quietly(fd)
 
     def release_writer(self) -> None:
@@ -236,34 +266,21 @@ class LocalTier(Tier):
             self._writer_lock = None
         _LOCK_HOLDERS.discard(self)
 
-    def _lock(self, rank: int, refuse: bool) -> int | None:
-        """An open descriptor holding rank `rank`'s lock; if another holds it, raise
-        DirectoryInUseError (`refuse`) or return None. Also None where the filesystem has no
-        flock (some network filesystems): then nothing is enforced, as before locks existed."""
+    def _lock(self, rank: int) -> int | None:
+        """Try rank `rank`'s lock: an open descriptor that holds it; None if a live process
+        holds it; -1 where this platform has no flock. Raises OSError if the lock file
+        cannot be opened or the filesystem refuses flock."""
         if fcntl is None:
-            return None
-        path = os.path.join(self.root, layout.lock_name(rank))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+            return -1
+        fd = os.open(os.path.join(self.root, layout.lock_name(rank)), os.O_RDONLY | os.O_CREAT | _O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            held = exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-            holder = _read_holder(fd) if held else ""
+        except BlockingIOError:
             os.close(fd)
-            if not held:
-                if refuse:
-                    logger.warning("tiercheck: cannot lock %s (%s); two writers of it would not be detected", path, exc)
-                return None
-            if not refuse:
-                return None
-            if holder.startswith(f"pid {os.getpid()} "):
-                holder = "a Checkpointer of this process that is not closed yet"
-            raise DirectoryInUseError(
-                f"{self.root} is already being written for rank {rank} by {holder or 'another process'} "
-                f"(it holds the lock {path}). Two writers of one directory would delete each other's "
-                "files. Close or stop the other writer, or give this one its own directory; a "
-                "Checkpointer that only restores (or tiercheck.load) takes no lock and may run alongside."
-            ) from None
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     # -- writing ------------------------------------------------------------------
@@ -322,10 +339,14 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
 
 
-def _read_holder(fd: int) -> str:
-    with contextlib.suppress(OSError):
-        return os.pread(fd, 200, 0).decode(errors="replace").strip()
-    return ""
+def _read_holder(path: str) -> str:
+    """Who holds a writer lock, as its holder wrote it; this process is named as such."""
+    text = ""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        text = f.read(200).decode(errors="replace").strip()
+    if text.startswith(f"pid {os.getpid()} "):
+        return "a Checkpointer of this process that is not closed yet"
+    return text or "another process"
 
 
 def _drop_inherited_locks() -> None:
