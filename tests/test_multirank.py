@@ -144,7 +144,13 @@ def test_shared_tier1_directory_one_marker(tmp_path: Path) -> None:
         [layout.COMMIT_NAME] + [f(r, 2) for r in range(2) for f in (layout.manifest_name, layout.shard_name)]
     )
     assert committed(tmp_path / "shared") == [20, 30]
-    assert not [p for p in (tmp_path / "shared").iterdir() if p.name.startswith(".")]  # no temp left
+    shared = tmp_path / "shared"
+    assert not [p for p in shared.iterdir() if p.name.startswith(".") and p.name != layout.RUNLOG_DIR]  # no temp
+    # Each rank keeps its own run log in the directory the ranks share.
+    assert sorted(p.name for p in (shared / layout.RUNLOG_DIR).iterdir()) == [
+        layout.runlog_file_name(0),
+        layout.runlog_file_name(1),
+    ]
 
 
 def test_damaged_tier1_copy_on_one_rank_reads_tier2_and_others_keep_tier1(tmp_path: Path) -> None:
@@ -201,8 +207,9 @@ def test_rank_killed_mid_save_others_fail_within_timeout_and_previous_step_resto
     # Once the job commits again, nothing of the failed step 20 is left on any tier.
     for d in (tmp_path / "node0", tmp_path / "node1", tmp_path / "remote"):
         assert committed(d) == [10, 30]
-        # (files, as an object store sees them; file:// may keep an empty directory)
-        assert {p.relative_to(d).parts[0] for p in d.rglob("*") if p.is_file()} == {
+        # (files, as an object store sees them; file:// may keep an empty directory; the run
+        # log is on tier 1 only)
+        assert {p.relative_to(d).parts[0] for p in d.rglob("*") if p.is_file()} - {layout.RUNLOG_DIR} == {
             "step-000000000010",
             "step-000000000030",
         }, d

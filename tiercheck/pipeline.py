@@ -9,7 +9,8 @@ Two workers, one per tier, each draining its own queue:
   the uploader and applies tier-1 retention;
 * the uploader copies committed tier-1 steps to tier 2 (shards, manifest, marker last),
   or, without a tier 1, writes staged saves straight from the host buffer. When it falls
-  behind, it uploads only the newest pending step (``upload_backlog="newest"``).
+  behind, it uploads only the newest pending step (``upload_backlog="newest"``). Without a
+  tier 1 it also writes the run log's tier-2 copy between steps (`submit_side_task`).
 
 Errors are captured and handed to the caller's thread exactly once.
 """
@@ -101,6 +102,14 @@ class _Prune:
 @dataclass(frozen=True, slots=True)
 class _CatchUp:
     """Upload the newest tier-1 step if an earlier run never uploaded it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _SideTask:
+    """A small tier-2 write that is not a step (the run log, without a tier 1); it handles
+    its own errors."""
+
+    run: Callable[[], None]
 
 
 _STOP = object()
@@ -216,6 +225,13 @@ class Pipeline:
             self._stager.put(_Stage(job, finish_staging))
         else:
             self._write_next(job)
+
+    def submit_side_task(self, run: Callable[[], None]) -> None:
+        """Run `run` on the uploader thread, between steps; dropped once the pipeline is closed."""
+        with self._lock:
+            if self._closed or self._uploader is None:
+                return
+        self._uploader_put(_SideTask(run))
 
     def _write_next(self, job: StagedSave) -> None:
         if self._writer is not None:
@@ -432,6 +448,9 @@ class Pipeline:
         assert tier is not None
         if isinstance(item, _CatchUp):
             self._catch_up(tier)
+            return
+        if isinstance(item, _SideTask):
+            item.run()
             return
         if isinstance(item, StagedSave):  # no tier 1 (or it failed): from the host buffer
             try:
