@@ -1,4 +1,5 @@
-"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]`` and ``tiercheck bench ...``.
+"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck bench ...``,
+and ``tiercheck report DIR`` / ``tiercheck plan`` (in `cli_goodput.py`).
 
 ``tiercheck bench`` runs the stall benchmark, ``benchmarks/stall.py``, which lives in the
 source checkout (it is not part of the installed package): the script is found next to the
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import cli_goodput
 from .errors import CheckpointCorruptedError, TiercheckError
 from .manifest import Manifest
 from .restore import present_manifests, read_marker, verify_files
@@ -61,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["bench"]:
         return run_bench(args_in[1:])
+    if args_in[:1] and args_in[0] in cli_goodput.COMMANDS:
+        return cli_goodput.main(args_in)
     ap = argparse.ArgumentParser(prog="tiercheck", description="Inspect tiercheck checkpoints; benchmark saves.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list committed steps with their size")
@@ -74,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "`tiercheck bench --help`)",
         add_help=False,
     )
+    cli_goodput.add_parsers(sub)
     args = ap.parse_args(args_in)
     loc = args.location
     tier: Tier = RemoteTier(loc) if "://" in loc else LocalTier(loc)
