@@ -1,5 +1,5 @@
-"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck --version``
-and ``tiercheck bench ...``.
+"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck --version``,
+``tiercheck bench ...``, and ``tiercheck report DIR`` / ``tiercheck plan`` (in `cli_goodput.py`).
 
 Exit status: 0 every step checked is intact, 1 a step is damaged, 2 nothing was checked (bad
 usage, a missing location or step, nothing committed there, an unreachable store); such an
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, cli_goodput
 from .checkpointer import _with_timeouts
 from .errors import CheckpointCorruptedError, TiercheckError
 from .manifest import Manifest
@@ -76,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["bench"]:
         return run_bench(args_in[1:])
+    if args_in[:1] and args_in[0] in cli_goodput.COMMANDS:
+        return cli_goodput.main(args_in)
     ap = argparse.ArgumentParser(
         prog="tiercheck",
         description="Inspect tiercheck checkpoints; benchmark saves.",
@@ -109,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "`tiercheck bench --help`)",
         add_help=False,
     )
+    cli_goodput.add_parsers(sub)
     args = ap.parse_args(args_in)
     log = logging.getLogger("tiercheck")
     level = log.level

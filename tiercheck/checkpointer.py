@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import threading
@@ -10,8 +11,8 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,6 +34,7 @@ from .restore import restore_collective, restore_from
 from .retarget import Key, balance
 from .retention import RetentionPolicy, as_policy
 from .retry import RetryPolicy
+from .runlog import DEFAULT_INTERVAL, RunLog
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
 from .state import FlatState, flatten_state
 from .tiers.base import Tier
@@ -40,6 +42,8 @@ from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
 
 __all__ = ["Checkpointer"]
+
+T = TypeVar("T")
 
 
 class Checkpointer:
@@ -117,6 +121,14 @@ class Checkpointer:
         coordination_timeout: seconds a rank waits for the others at one point of a save or
             a restore before it gives up (the save then fails with a TierError; nothing
             hangs forever when a rank dies).
+        run_log_interval: seconds between flushes of the run log (``.tiercheck-runlog/`` in
+            the tier-1 directory, else on tier 2: at most one rewrite a minute), which
+            `tiercheck report` and `tiercheck plan` read: each save's stall and durable
+            times, restores, drains, errors and, for a loop wrapped in `timed`, its data
+            wait and compute, aggregated per interval (about 85 KB per hour and rank at
+            10 s), plus a heartbeat file overwritten about once a second, so a crash loses at
+            most a second of it on tier 1 (one interval on tier 2). Nothing is written before
+            the first `save()` or timed batch. None keeps no run log. See docs/goodput.md.
 
     Raises:
         InvalidArgumentError: no tier given, or an invalid option (also a ValueError).
@@ -160,6 +172,7 @@ class Checkpointer:
         replicated: bool | Iterable[str | int] = False,
         replicated_writer: int | str = "balance",
         coordination_timeout: float = 600.0,
+        run_log_interval: float | None = DEFAULT_INTERVAL,
     ) -> None:
         if local is None and remote is None:
             raise InvalidArgumentError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
@@ -170,6 +183,12 @@ class Checkpointer:
             raise InvalidArgumentError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
         if not (isinstance(remote_timeout, (int, float)) and remote_timeout > 0):
             raise InvalidArgumentError(f"remote_timeout must be a positive number, got {remote_timeout!r}")
+        if run_log_interval is not None and not (
+            type(run_log_interval) in (int, float) and run_log_interval >= 0 and math.isfinite(run_log_interval)
+        ):
+            raise InvalidArgumentError(
+                f"run_log_interval must be None or a number of seconds >= 0, got {run_log_interval!r}"
+            )
         self._replicated = _replicated_keys(replicated)
         if not (
             replicated_writer == "balance" or (type(replicated_writer) is int and 0 <= replicated_writer < world_size)
@@ -215,13 +234,21 @@ class Checkpointer:
         self._pipeline = Pipeline(
             self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority, self._group
         )
+        self._runlog = RunLog(
+            self._local,
+            self._remote,
+            rank,
+            world_size,
+            run_log_interval,
+            self._pipeline.submit_side_task if self._remote is not None else None,
+        )
         # A fork() child gets a copy of this object but none of the pipeline's threads: it
         # compares its pid with this one and does nothing (see `_check_process`).
         self._pid = os.getpid()
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
         self._finalizer = weakref.finalize(
-            self, _finalize, self._pipeline, self._pool, os.fspath(local or remote or ""), self._pid
+            self, _finalize, self._pipeline, self._pool, os.fspath(local or remote or ""), self._runlog, self._pid
         )
 
     # -- context manager -------------------------------------------------------------
@@ -259,6 +286,29 @@ class Checkpointer:
         """The newest committed step on `tier` (or on any tier), or None."""
         steps = self.steps(tier)
         return steps[-1] if steps else None
+
+    # -- the training loop -----------------------------------------------------------
+
+    def timed(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield the items of `iterable` (a data loader), timing the loop for the run log.
+
+        The time spent in the loader's ``next()`` is data wait; the time from an item until
+        the next request is the loop body (compute), less the `save`/`restore`/`wait`/
+        `drain` calls made in it. Both are summed per flush interval, never written per
+        step; the cost is a few microseconds per item (docs/goodput.md). `tiercheck report` turns them into
+        compute, data wait and redone work per run. Without a run log
+        (``run_log_interval=None``) the items pass through untouched.
+
+        Example:
+            >>> for batch in ckpt.timed(loader):      # doctest: +SKIP
+            ...     loss = train_step(batch)
+            ...     step += 1
+            ...     if step % 500 == 0:
+            ...         ckpt.save(step, state)
+        """
+        if not self._runlog.enabled:
+            return iter(iterable)
+        return self._runlog.timed(iterable)
 
     # -- save ------------------------------------------------------------------------
 
@@ -469,6 +519,7 @@ class Checkpointer:
             stats.stage_s = t3 - t2
             stats.stall_s = t3 - t0
             self._latest_known = step
+            self._runlog.saved(handle)
             return handle
 
     def _abandon(self, step: int, exc: BaseException) -> None:
@@ -563,6 +614,8 @@ class Checkpointer:
         errors = self._pipeline.take_errors()
         if not errors:
             return
+        for e in errors:
+            self._runlog.errored(e.step, e.tier, str(e))
         first = errors[0]
         if len(errors) > 1:
             steps = ", ".join(str(e.step) for e in errors)
@@ -583,6 +636,13 @@ class Checkpointer:
             ClosedError: called in a fork() child of the process that created it.
         """
         self._check_process()
+        t0 = time.perf_counter()
+        try:
+            self._wait(timeout)
+        finally:
+            self._runlog.waited(time.perf_counter() - t0)
+
+    def _wait(self, timeout: float | None = None) -> None:
         if not self._pipeline.wait_idle(timeout):
             raise WaitTimeoutError(f"pending saves {self._pipeline.in_flight()} not durable after {timeout}s")
         self._raise_background_errors()
@@ -600,6 +660,7 @@ class Checkpointer:
             ClosedError: called in a fork() child of the process that created it.
         """
         self._check_process()
+        t0 = time.perf_counter()
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
@@ -615,6 +676,7 @@ class Checkpointer:
             errors=tuple(self._pipeline.take_errors()),
         )
         logger.warning("tiercheck drain: %s", report)
+        self._runlog.drained(report, time.perf_counter() - t0)
         return report
 
     def install_sigterm_handler(self, grace_s: float = 30.0) -> None:
@@ -659,7 +721,10 @@ class Checkpointer:
             for _, hook in self._guards.values():
                 hook.remove()
             self._guards.clear()
+            t0 = time.perf_counter()
             self._pipeline.wait_idle()
+            self._runlog.close(time.perf_counter() - t0)
+            self._pipeline.wait_idle()  # the run log's last tier-2 write, if it has one
             self._pipeline.close()
             self._pool.clear()
             self._raise_background_errors()
@@ -710,13 +775,15 @@ class Checkpointer:
             raise InvalidArgumentError(f"step must be a non-negative int or None, got {step!r}")
         with self._lock:
             self._check_open()
-            self.wait()
+            t0 = time.perf_counter()
+            self._wait()
             if self._group is None:
                 found = restore_from(self._tiers, state, step, self.rank, strict, world_size=self.world_size)
             else:
                 found = restore_collective(
                     self._group.coord, self._local, self._remote, state, step, self.rank, self.world_size, strict
                 )
+            self._runlog.restored(None if found is None else found.step, time.perf_counter() - t0)
             if found is None:
                 return None
             self._branch_point = found.step
@@ -790,7 +857,7 @@ def _with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) 
     return opts
 
 
-def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str, pid: int) -> None:
+def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str, runlog: RunLog, pid: int) -> None:
     if os.getpid() != pid:
         # A fork() child exiting: the pipeline's threads and pending saves are the parent's,
         # so waiting here would wait for threads that do not exist in this process.
@@ -802,6 +869,9 @@ def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str, pid: int) ->
         ResourceWarning,
         stacklevel=2,
     )
+    t0 = time.perf_counter()
     pipeline.wait_idle(timeout=600)
+    runlog.close(time.perf_counter() - t0)
+    pipeline.wait_idle(timeout=60)
     pipeline.close(timeout=10)
     pool.clear()
