@@ -23,11 +23,12 @@ import tiercheck
 from tests.assertions import same
 from tiercheck import layout
 from tiercheck.__main__ import main
-from tiercheck.errors import CheckpointCorruptedError, UnsupportedStateError, WriterActiveError
+from tiercheck.errors import CheckpointCorruptedError, DirectoryInUseError, UnsupportedStateError
 from tiercheck.progress import terminal_bar
 from tiercheck.restore import read_manifest, verify_files
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tools import export_step, import_step, prune_steps, remove_step
+from tiercheck.tools.prune import writers_excluded
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -460,7 +461,7 @@ def test_prune_keeps_what_retention_would(
         "deleted": [100, 300],
         "kept": [200, 400, 500, 600],
         "dry_run": True,
-        "writer_check": "no lock files",
+        "writer_check": "locked",
     }
     assert dir_snapshot(many_steps) == before  # a dry run changes nothing
     code, out, _ = run_cli(["prune", str(many_steps), "--keep-last", "2", "--keep-every", "200"], capsys)
@@ -516,9 +517,9 @@ def test_prune_and_rm_refuse_while_a_writer_holds_the_directory(
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         before = dir_snapshot(many_steps)
         code, out, err = run_cli(["prune", str(many_steps), "--keep-last", "1", "--json"], capsys)
-        assert code == 2 and json.loads(out)["error"]["type"] == "WriterActiveError"
+        assert code == 2 and json.loads(out)["error"]["type"] == "DirectoryInUseError"
         assert str(lock) in err
-        with pytest.raises(WriterActiveError):
+        with pytest.raises(DirectoryInUseError):
             remove_step(many_steps, 100)
         assert dir_snapshot(many_steps) == before
     finally:
@@ -526,7 +527,7 @@ def test_prune_and_rm_refuse_while_a_writer_holds_the_directory(
         holder.stdin.close()
         holder.wait(timeout=30)
     result = prune_steps(many_steps, 1)  # the writer is gone: the lock is free
-    assert result.writer_check == "free" and result.kept == (600,)
+    assert result.writer_check == "locked" and result.kept == (600,)
 
 
 # ----------------------------------------------------------------------------- progress
@@ -736,3 +737,19 @@ def test_tools_on_a_url_with_compressed_shards(tmp_path: Path, capsys: pytest.Ca
         "writer_check": "impossible",
     }
     assert tiercheck.Checkpointer(remote=url).steps() == [2]
+
+
+def test_prune_refuses_while_a_checkpointer_writes_the_directory(
+    many_steps: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with tiercheck.Checkpointer(local=many_steps, keep_local=None) as ck:
+        ck.save(700, {"w": torch.zeros(4)}).wait()  # a writer from its first save on
+        code, _, err = run_cli(["prune", str(many_steps), "--keep-last", "1"], capsys)
+        assert code == 2 and "is being written by" in err
+        assert LocalTier(many_steps).committed_steps() == [100, 200, 300, 400, 500, 600, 700]
+    # While a tool holds the locks, a writer starting is the one refused.
+    late = tiercheck.Checkpointer(local=many_steps, keep_local=None)
+    with writers_excluded(LocalTier(many_steps)), pytest.raises(DirectoryInUseError):
+        late.save(800, {"w": torch.zeros(4)})
+    late.close()
+    assert prune_steps(many_steps, 2).kept == (600, 700)

@@ -251,3 +251,48 @@ def test_saved_state_dict_restores_into_a_module(make_ckpt):
     other = nn.Linear(3, 3)
     ckpt.restore({"model": other})
     same(other.state_dict(), model.state_dict())
+
+
+def sgd_two_groups(lr0: torch.Tensor, lr1: torch.Tensor) -> torch.optim.Optimizer:
+    w, b = torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)
+    return torch.optim.SGD([{"params": [w], "lr": lr0}, {"params": [b], "lr": lr1}])
+
+
+def test_template_tensor_shared_by_two_keys_holding_different_values(make_ckpt):
+    """Two template keys share one tensor, the checkpoint holds two values: each key gets
+    its own value (no read clobbers the other), never a silent mix or a false corruption."""
+    ckpt = make_ckpt()
+    ckpt.save(1, {"o": sgd_two_groups(torch.tensor(0.1), torch.tensor(0.2))}).wait()
+    ckpt.save(2, {"o": sgd_two_groups(torch.tensor(0.3), torch.tensor(0.4))}).wait()
+    shared = torch.tensor(0.0)
+    opt = sgd_two_groups(shared, shared)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to an older step
+        assert ckpt.restore({"o": opt}) == 2
+    assert [float(g["lr"]) for g in opt.param_groups] == [float(torch.tensor(0.3)), float(torch.tensor(0.4))]
+
+    ckpt.save(3, {"a": torch.ones(4), "b": torch.full((4,), 2.0), "c": torch.ones(4)}).wait()
+    t = torch.zeros(4)
+    template: dict[str, Any] = {"a": t, "b": t, "c": torch.zeros(4)}
+    assert ckpt.restore(template) == 3
+    assert torch.equal(template["a"], torch.ones(4)) and torch.equal(template["b"], torch.full((4,), 2.0))
+
+
+def test_tied_on_both_sides_is_read_once_in_place(make_ckpt):
+    ckpt = make_ckpt()
+    w = torch.arange(6.0)
+    ckpt.save(1, {"a": w, "b": w}).wait()
+    t = torch.zeros(6)
+    template: dict[str, Any] = {"a": t, "b": t}
+    ckpt.restore(template)
+    assert template["a"] is t and template["b"] is t and torch.equal(t, w)
+
+
+def test_partly_overlapping_template_views_are_refused(make_ckpt):
+    ckpt = make_ckpt()
+    ckpt.save(1, {"a": torch.ones(4), "b": torch.full((4,), 2.0)}).wait()
+    base = torch.zeros(6)
+    template: dict[str, Any] = {"a": base[0:4], "b": base[2:6]}
+    with pytest.raises(tiercheck.StateMismatchError, match=r"state\['a'\] and state\['b'\].*overlap"):
+        ckpt.restore(template)
+    assert torch.equal(base, torch.zeros(6))

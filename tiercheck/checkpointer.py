@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import threading
@@ -10,14 +11,16 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from .checksum import ALGORITHMS
 from .coordination import Group, from_process_group, join_group
 from .errors import (
+    ClosedError,
+    InvalidArgumentError,
     StepConflictError,
     TiercheckError,
     TierError,
@@ -32,6 +35,7 @@ from .restore import restore_collective, restore_from
 from .retarget import Key, balance
 from .retention import RetentionPolicy, as_policy
 from .retry import RetryPolicy
+from .runlog import DEFAULT_INTERVAL, RunLog
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
 from .state import FlatState, flatten_state
 from .tiers.base import Tier
@@ -39,6 +43,8 @@ from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
 
 __all__ = ["Checkpointer"]
+
+T = TypeVar("T")
 
 
 class Checkpointer:
@@ -51,7 +57,8 @@ class Checkpointer:
 
     Args:
         local: tier 1, a local directory (ideally NVMe). Created if missing.
-        remote: tier 2, an fsspec URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``).
+        remote: tier 2, an fsspec URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``),
+            or a plain path, which is the local filesystem as ``file://`` is (created on demand).
             With `local`, each step committed on tier 1 is uploaded from the tier-1 files;
             alone, it is uploaded straight from the host buffer.
         storage_options: fsspec options for the remote tier (credentials, ``endpoint_url``,
@@ -59,8 +66,8 @@ class Checkpointer:
         keep_local: retention on tier 1: an int n (keep the n newest committed steps),
             a policy (`KeepLast(3) | KeepEvery(1000)`), or None to keep everything.
             The newest committed step and steps being written are never deleted.
-        keep_remote: the same for tier 2; None (the default) keeps everything. A step is
-            never deleted from tier 1 while it waits to be uploaded.
+        keep_remote: the same for tier 2; None (the default) keeps everything. A step tier 2
+            would keep is never deleted from tier 1 before it is on tier 2, and never skipped.
         host_buffers: how many staging buffers (each the size of the state) may exist.
             With 1, a `save()` issued while the previous step is still being written
             waits for it (that wait is counted in the stall); 2 lets it proceed at the cost
@@ -79,9 +86,12 @@ class Checkpointer:
             MiB it moves, before it counts as a transient failure (a hung server cannot stall
             an upload forever). For S3 it is also botocore's connect/read timeout (put into
             ``storage_options["config_kwargs"]`` unless you set it there yourself).
-        upload_backlog: when tier 2 falls behind, "newest" (default) uploads only the newest
-            pending step and skips older pending ones, so the backlog (and the tier-1 steps kept
-            for it) stays bounded; "all" uploads every step, in order.
+        upload_backlog: when tier 2 falls behind, "newest" (default) skips the pending steps
+            that `keep_remote` would delete anyway once newer ones are uploaded, so with
+            ``keep_remote=KeepLast(n)`` the backlog (and the tier-1 steps kept for it) stays
+            bounded by n plus milestones; steps tier 2 would keep (`KeepEvery` milestones,
+            everything under the default ``keep_remote=None``) are always uploaded. "all"
+            uploads every step, in order.
         remote_compression: None (default) or "zstd": store shards zstd-1 compressed on tier 2.
             Measured here: ~0.65 GB/s per core, ratio 1.08 on fp32 and 1.29 on bf16 weights;
             worth it only when the uplink is slower than that.
@@ -112,9 +122,20 @@ class Checkpointer:
         coordination_timeout: seconds a rank waits for the others at one point of a save or
             a restore before it gives up (the save then fails with a TierError; nothing
             hangs forever when a rank dies).
+        run_log_interval: seconds between flushes of the run log (``.tiercheck-runlog/`` in
+            the tier-1 directory, else on tier 2: at most one rewrite a minute), which
+            `tiercheck report` and `tiercheck plan` read: each save's stall and durable
+            times, restores, drains, errors and, for a loop wrapped in `timed`, its data
+            wait and compute, aggregated per interval (about 85 KB per hour and rank at
+            10 s), plus a heartbeat file overwritten about once a second, so a crash loses at
+            most a second of it on tier 1 (one interval on tier 2). Nothing is written before
+            the first `save()` or timed batch. None keeps no run log. See docs/goodput.md.
 
     Raises:
-        ValueError: no tier given, or an invalid option.
+        InvalidArgumentError: no tier given, or an invalid option (also a ValueError).
+
+    A process forked while a Checkpointer exists gets an inert copy: its `close()` returns
+    at once and its other methods raise `ClosedError`; the parent's saves are unaffected.
 
     Example:
         >>> ckpt = tiercheck.Checkpointer(local="ckpt/run7", keep_local=2)  # doctest: +SKIP
@@ -129,7 +150,7 @@ class Checkpointer:
     def __init__(
         self,
         local: str | os.PathLike[str] | None = None,
-        remote: str | None = None,
+        remote: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         keep_local: int | RetentionPolicy | None = 2,
         keep_remote: int | RetentionPolicy | None = None,
@@ -152,19 +173,28 @@ class Checkpointer:
         replicated: bool | Iterable[str | int] = False,
         replicated_writer: int | str = "balance",
         coordination_timeout: float = 600.0,
+        run_log_interval: float | None = DEFAULT_INTERVAL,
     ) -> None:
         if local is None and remote is None:
-            raise ValueError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
+            raise InvalidArgumentError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
         if checksum not in ALGORITHMS:
-            raise ValueError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
+            raise InvalidArgumentError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
         rank, world_size, store = _job_place(rank, world_size, store)
         if not (isinstance(coordination_timeout, (int, float)) and coordination_timeout > 0):
-            raise ValueError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
+            raise InvalidArgumentError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
+        if not (isinstance(remote_timeout, (int, float)) and remote_timeout > 0):
+            raise InvalidArgumentError(f"remote_timeout must be a positive number, got {remote_timeout!r}")
+        if run_log_interval is not None and not (
+            type(run_log_interval) in (int, float) and run_log_interval >= 0 and math.isfinite(run_log_interval)
+        ):
+            raise InvalidArgumentError(
+                f"run_log_interval must be None or a number of seconds >= 0, got {run_log_interval!r}"
+            )
         self._replicated = _replicated_keys(replicated)
         if not (
             replicated_writer == "balance" or (type(replicated_writer) is int and 0 <= replicated_writer < world_size)
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"replicated_writer must be 'balance' or a rank below {world_size}, got {replicated_writer!r}"
             )
         self._replicated_writer = replicated_writer
@@ -179,7 +209,7 @@ class Checkpointer:
             if remote is None
             else RemoteTier(
                 remote,
-                _with_timeouts(remote, storage_options, remote_timeout),
+                _with_timeouts(os.fspath(remote), storage_options, remote_timeout),
                 retry=RetryPolicy(budget_s=remote_retry_budget),
                 op_timeout=remote_timeout,
                 write_rate=remote_write_rate,
@@ -199,19 +229,28 @@ class Checkpointer:
         self._overlap = overlap
         self._warned_unguarded = False
         self._guards: dict[int, tuple[weakref.ref[torch.optim.Optimizer], Any]] = {}
-        if self._local is not None:
-            for path in self._local.remove_leftovers():
-                logger.info("removed leftover %s from an interrupted save or deletion", path)
         self._group: Group | None = None
         if world_size > 1:
-            # Leftovers are removed above, before this rendezvous: no rank saves before it.
             self._group = join_group(store, rank, world_size, coordination_timeout, self._local, self._remote)
         self._pipeline = Pipeline(
             self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority, self._group
         )
+        self._runlog = RunLog(
+            self._local,
+            self._remote,
+            rank,
+            world_size,
+            run_log_interval,
+            self._pipeline.submit_side_task if self._remote is not None else None,
+        )
+        # A fork() child gets a copy of this object but none of the pipeline's threads: it
+        # compares its pid with this one and does nothing (see `_check_process`).
+        self._pid = os.getpid()
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
-        self._finalizer = weakref.finalize(self, _finalize, self._pipeline, self._pool, str(local or remote))
+        self._finalizer = weakref.finalize(
+            self, _finalize, self._pipeline, self._pool, os.fspath(local or remote or ""), self._runlog, self._pid
+        )
 
     # -- context manager -------------------------------------------------------------
 
@@ -234,7 +273,7 @@ class Checkpointer:
             return self._tiers
         matches = [t for t in self._tiers if t.name == tier]
         if not matches:
-            raise ValueError(f"tier must be one of {[t.name for t in self._tiers]} or None, got {tier!r}")
+            raise InvalidArgumentError(f"tier must be one of {[t.name for t in self._tiers]} or None, got {tier!r}")
         return matches
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -249,6 +288,29 @@ class Checkpointer:
         steps = self.steps(tier)
         return steps[-1] if steps else None
 
+    # -- the training loop -----------------------------------------------------------
+
+    def timed(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield the items of `iterable` (a data loader), timing the loop for the run log.
+
+        The time spent in the loader's ``next()`` is data wait; the time from an item until
+        the next request is the loop body (compute), less the `save`/`restore`/`wait`/
+        `drain` calls made in it. Both are summed per flush interval, never written per
+        step; the cost is a few microseconds per item (docs/goodput.md). `tiercheck report` turns them into
+        compute, data wait and redone work per run. Without a run log
+        (``run_log_interval=None``) the items pass through untouched.
+
+        Example:
+            >>> for batch in ckpt.timed(loader):      # doctest: +SKIP
+            ...     loss = train_step(batch)
+            ...     step += 1
+            ...     if step % 500 == 0:
+            ...         ckpt.save(step, state)
+        """
+        if not self._runlog.enabled:
+            return iter(iterable)
+        return self._runlog.timed(iterable)
+
     # -- save ------------------------------------------------------------------------
 
     def prepare(self, state: Mapping[Any, Any]) -> None:
@@ -256,8 +318,20 @@ class Checkpointer:
 
         The first save otherwise pays for allocating and touching a buffer as large as the
         state; call this at start-up, e.g. right after building the model and optimizer.
+
+        Like the first `save()`, it makes this Checkpointer the writer of its directory (see
+        `save`) and starts the catch-up upload of steps an earlier run left on tier 1 only: a
+        restarted job that may not save again should call it.
+
+        Raises:
+            DirectoryInUseError: another live Checkpointer writes this rank of the directory.
         """
+        self._check_open()
         flat = flatten_state(state)
+        with self._lock:
+            self._check_open()
+            self._pipeline.become_writer(self.rank, self.world_size)
+            self._pipeline.start_catch_up()
         plan = self._plan_for(flat)
         buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
         self._pool.release(buf)
@@ -353,12 +427,21 @@ class Checkpointer:
         committed steps after the restored one (the abandoned branch) are deleted first, so
         that a later restore can never pick them up.
 
+        The first `save()` (or `prepare()`) makes this Checkpointer the writer of this rank's
+        part of the tier-1 directory: it takes an OS lock there (released at `close()` or when
+        the process dies), removes the leftovers of interrupted saves, and starts uploading the
+        steps an earlier run committed on tier 1 only that tier 2 would keep. Until then it
+        only reads, so an evaluation script can `restore()` while a job writes.
+
         Raises:
             UnsupportedStateError: a value that cannot be stored; names its key path.
+            DirectoryInUseError: another live Checkpointer writes this rank of the directory.
             StepConflictError: `step` is not newer than the existing or pending steps.
             TierError: an earlier background save failed (raised once).
+            ClosedError: the Checkpointer is closed, or was inherited through fork().
         """
         t0 = time.perf_counter()
+        self._check_process()  # before the lock: a fork() child may inherit it held
         with self._lock:
             self._check_open()
             if type(step) is not int or step < 0:
@@ -367,6 +450,7 @@ class Checkpointer:
             try:
                 self._raise_background_errors()
                 flat, replicated, remote_owners = self._flatten(state)
+                self._pipeline.become_writer(self.rank, self.world_size)
                 self._claim_step(step)
                 plan = self._plan_for(flat)
                 handle = SaveHandle(step, [t.name for t in self._tiers], self._pipeline.error_seen)
@@ -419,6 +503,10 @@ class Checkpointer:
                     try:
                         stage_into(buf, flat, plan, progress=job.progress)
                     except BaseException:
+                        # Off the in-flight list before the writer hears of it: a retry of
+                        # this step (after Ctrl-C, say) must not meet it there.
+                        self._pipeline.forget_unstaged(job)
+                        submitted = False  # the other ranks hear of it from _abandon below
                         job.progress.fail()
                         raise
             except BaseException as exc:
@@ -432,6 +520,7 @@ class Checkpointer:
             stats.stage_s = t3 - t2
             stats.stall_s = t3 - t0
             self._latest_known = step
+            self._runlog.saved(handle)
             return handle
 
     def _abandon(self, step: int, exc: BaseException) -> None:
@@ -447,10 +536,11 @@ class Checkpointer:
     def _guard(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Make each optimizer wait for an overlapped copy before it changes anything."""
         pipeline = weakref.ref(self._pipeline)  # no cycle: the optimizer may outlive us
+        pid = self._pid
 
         def wait_for_copy(optimizer: object, args: object, kwargs: object) -> None:
             p = pipeline()
-            if p is not None:
+            if p is not None and os.getpid() == pid:  # a fork() child has no copy to wait for
                 p.wait_staged()
 
         for opt in optimizers:
@@ -506,14 +596,27 @@ class Checkpointer:
 
     # -- sync points -----------------------------------------------------------------
 
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _check_process(self) -> None:
+        if self._forked():
+            raise ClosedError(
+                f"this Checkpointer was created by process {self._pid}; process {os.getpid()} inherited it "
+                "through fork() without its background threads and cannot use it: create a new Checkpointer"
+            )
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
-            raise RuntimeError("this Checkpointer is closed")
+            raise ClosedError("this Checkpointer is closed; create a new one to save or restore")
 
     def _raise_background_errors(self) -> None:
         errors = self._pipeline.take_errors()
         if not errors:
             return
+        for e in errors:
+            self._runlog.errored(e.step, e.tier, str(e))
         first = errors[0]
         if len(errors) > 1:
             steps = ", ".join(str(e.step) for e in errors)
@@ -531,7 +634,16 @@ class Checkpointer:
         Raises:
             TierError: a background save failed since the last sync point (raised once).
             WaitTimeoutError: `timeout` seconds passed first.
+            ClosedError: called in a fork() child of the process that created it.
         """
+        self._check_process()
+        t0 = time.perf_counter()
+        try:
+            self._wait(timeout)
+        finally:
+            self._runlog.waited(time.perf_counter() - t0)
+
+    def _wait(self, timeout: float | None = None) -> None:
         if not self._pipeline.wait_idle(timeout):
             raise WaitTimeoutError(f"pending saves {self._pipeline.in_flight()} not durable after {timeout}s")
         self._raise_background_errors()
@@ -544,7 +656,12 @@ class Checkpointer:
         Returns:
             A `DrainReport`: the newest step this session made durable on each tier, the
             steps still pending per tier, and the background errors (now consumed).
+
+        Raises:
+            ClosedError: called in a fork() child of the process that created it.
         """
+        self._check_process()
+        t0 = time.perf_counter()
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
@@ -560,6 +677,7 @@ class Checkpointer:
             errors=tuple(self._pipeline.take_errors()),
         )
         logger.warning("tiercheck drain: %s", report)
+        self._runlog.drained(report, time.perf_counter() - t0)
         return report
 
     def install_sigterm_handler(self, grace_s: float = 30.0) -> None:
@@ -574,7 +692,7 @@ class Checkpointer:
 
         def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
             ckpt = me()
-            if ckpt is not None and not ckpt._closed:
+            if ckpt is not None and not ckpt._closed and not ckpt._forked():
                 ckpt.drain(grace_s)
             signal.signal(signal.SIGTERM, previous)
             if callable(previous):
@@ -587,9 +705,15 @@ class Checkpointer:
     def close(self) -> None:
         """Drain pending saves, stop the writer, free the host buffers. Idempotent.
 
+        In a fork() child of the process that created it, it only detaches the exit-time
+        drain and returns: the threads and pending saves are the parent's.
+
         Raises:
             TierError: a background save failed since the last sync point (raised once).
         """
+        if self._forked():  # no lock: a parent's thread may have held it at the fork
+            self._finalizer.detach()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -598,7 +722,10 @@ class Checkpointer:
             for _, hook in self._guards.values():
                 hook.remove()
             self._guards.clear()
+            t0 = time.perf_counter()
             self._pipeline.wait_idle()
+            self._runlog.close(time.perf_counter() - t0)
+            self._pipeline.wait_idle()  # the run log's last tier-2 write, if it has one
             self._pipeline.close()
             self._pool.clear()
             self._raise_background_errors()
@@ -647,14 +774,19 @@ class Checkpointer:
                 committed step does (without `step`, a damaged step is skipped with a
                 warning naming it and the next older one is tried).
             StateMismatchError: the template does not fit the checkpoint (names the key path).
+            InvalidArgumentError: `state` is not a mutable mapping, or `step` is not a
+                non-negative int.
+            ClosedError: the Checkpointer is closed, or was inherited through fork().
         """
+        self._check_process()
         if not isinstance(state, MutableMapping):
-            raise TypeError(f"restore() needs a mutable mapping as template, got {type(state).__name__}")
+            raise InvalidArgumentError(f"restore() needs a mutable mapping as template, got {type(state).__name__}")
         if step is not None and (type(step) is not int or step < 0):
-            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+            raise InvalidArgumentError(f"step must be a non-negative int or None, got {step!r}")
         with self._lock:
             self._check_open()
-            self.wait()
+            t0 = time.perf_counter()
+            self._wait()
             if self._group is None:
                 found = restore_from(
                     self._tiers, state, step, self.rank, strict, world_size=self.world_size, progress=progress
@@ -671,6 +803,7 @@ class Checkpointer:
                     strict,
                     progress,
                 )
+            self._runlog.restored(None if found is None else found.step, time.perf_counter() - t0)
             if found is None:
                 return None
             self._branch_point = found.step
@@ -699,11 +832,13 @@ def _replicated_keys(replicated: bool | Iterable[str | int]) -> bool | frozenset
     if replicated is True or replicated is False:
         return replicated
     if isinstance(replicated, (str, bytes)) or not isinstance(replicated, Iterable):
-        raise ValueError(f"replicated must be True, False or a collection of top-level keys, got {replicated!r}")
+        raise InvalidArgumentError(
+            f"replicated must be True, False or a collection of top-level keys, got {replicated!r}"
+        )
     keys = frozenset(replicated)
     for k in keys:
         if type(k) not in (str, int):
-            raise ValueError(f"replicated keys must be str or int, got {k!r}")
+            raise InvalidArgumentError(f"replicated keys must be str or int, got {k!r}")
     return keys or False
 
 
@@ -718,11 +853,11 @@ def _job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[in
     rank = 0 if rank is None else rank
     world_size = 1 if world_size is None else world_size
     if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+        raise InvalidArgumentError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
     if world_size > 1 and store is None:
         found = from_process_group()
         if found is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"world_size={world_size} needs a way to reach the other ranks: initialise the default "
                 "process group (torch.distributed.init_process_group, as torchrun jobs do) or pass store="
             )
@@ -742,7 +877,11 @@ def _with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) 
     return opts
 
 
-def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str) -> None:
+def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str, runlog: RunLog, pid: int) -> None:
+    if os.getpid() != pid:
+        # A fork() child exiting: the pipeline's threads and pending saves are the parent's,
+        # so waiting here would wait for threads that do not exist in this process.
+        return
     pending = pipeline.in_flight()
     warnings.warn(
         f"tiercheck: Checkpointer for {where} was not closed (pending steps: {pending or 'none'}); "
@@ -750,6 +889,9 @@ def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str) -> None:
         ResourceWarning,
         stacklevel=2,
     )
+    t0 = time.perf_counter()
     pipeline.wait_idle(timeout=600)
+    runlog.close(time.perf_counter() - t0)
+    pipeline.wait_idle(timeout=60)
     pipeline.close(timeout=10)
     pool.clear()

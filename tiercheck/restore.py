@@ -7,11 +7,12 @@ when the whole step verified are plain values written and `load_state_dict` call
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union, cast
 
 import numpy as np
 import torch
@@ -22,15 +23,25 @@ from .coordination import Coordinator
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
 from .events import report_missing_keys
-from .manifest import Entry, Manifest, Marker, ShardFile, decode_key, decode_manifest, decode_marker
+from .manifest import (
+    MAX_MANIFEST_BYTES,
+    Entry,
+    Manifest,
+    Marker,
+    ShardFile,
+    decode_key,
+    decode_manifest,
+    decode_marker,
+)
 from .progress import ProgressCallback
 from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
 
 MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
-MAX_MANIFEST_BYTES = 1 << 30
 
 Producer = Callable[[], object]
+_Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
+_Memory = tuple[tuple[object, ...], int]  # (identity of a template tensor's memory, its byte span)
 _MISSING = object()
 
 
@@ -77,6 +88,10 @@ class _Binder:
         self.replicas: dict[int, tuple[_Binder, JsonNode]] = parent.replicas if parent else {}
         # key paths of template keys the checkpoint lacks (an error unless strict=False)
         self.missing: list[str] = parent.missing if parent else []
+        # template memory lent to the read: (device, address, shape, strides, dtype) ->
+        # (checkpoint region, key path); and every lent span, for the overlap check
+        self.lent: dict[tuple[object, ...], tuple[tuple[object, ...], str]] = parent.lent if parent else {}
+        self.spans: list[tuple[str, int, int, tuple[object, ...], str]] = parent.spans if parent else []
 
     def bind(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
         t = node["t"]
@@ -124,7 +139,9 @@ class _Binder:
                     path, f"template array is {tmpl.dtype} {tmpl.shape}, checkpoint has {npd} {e.shape}"
                 )
             if tmpl.flags.writeable:
-                return self._into_array(tmpl, e)
+                lent = self._lend(tmpl, _array_memory(tmpl), e, path)
+                if lent is not None:
+                    return lent
         arr: np.ndarray[Any, Any] = np.empty(e.shape, dtype=npd)
         self.reads.append(_Read(e, _bytes_of(arr)))
         if e.kind == "npscalar":
@@ -153,7 +170,9 @@ class _Binder:
                 )
             # A meta tensor has no memory to fill: it is materialised from the checkpoint.
             if same_dtype and tmpl.device.type != "meta":
-                return self._into_tensor(tmpl, e)
+                lent = self._lend(tmpl, _tensor_memory(tmpl), e, path)
+                if lent is not None:
+                    return lent
         elif mode.fill:
             self._refuse_conflict(tmpl, path, "tensor")
         region = (e.file, e.offset, e.length, e.dtype, e.shape)
@@ -162,6 +181,37 @@ class _Binder:
             fresh = self.fresh[region] = torch.empty(e.shape, dtype=dtype)
             self._plan_read(e, fresh)
         return lambda: fresh
+
+    def _lend(self, tmpl: _Target, memory: _Memory | None, e: Entry, path: str) -> Producer | None:
+        """Plan the read of `e` into the template's own memory; None when that memory is
+        already lent to another checkpoint value (two template keys share one tensor that
+        the checkpoint holds as two values): then `e` is read into a fresh tensor, which
+        replaces that key's value, so neither read clobbers the other."""
+        if memory is None:  # empty: nothing to read
+            return self._into(tmpl, e)
+        identity, span = memory
+        region = (e.file, e.offset, e.length, e.dtype, e.shape)
+        known = self.lent.get(identity)
+        if known is not None:
+            return (lambda: tmpl) if known[0] == region else None  # tied on both sides: read once
+        self.lent[identity] = (region, path)
+        device, address = str(identity[0]), int(identity[1])  # type: ignore[call-overload]
+        self.spans.append((device, address, address + span, identity, path))
+        return self._into(tmpl, e)
+
+    def _into(self, tmpl: _Target, e: Entry) -> Producer:
+        return self._into_tensor(tmpl, e) if isinstance(tmpl, torch.Tensor) else self._into_array(tmpl, e)
+
+    def check_overlaps(self) -> None:
+        """Template tensors that partly overlap (views of one storage) cannot both be filled
+        in place with separate checkpoint values: refuse, naming both key paths."""
+        self.spans.sort(key=lambda sp: (sp[0], sp[1]))
+        for a, b in itertools.pairwise(self.spans):
+            if a[0] == b[0] and b[1] < a[2]:
+                raise StateMismatchError(
+                    f"{a[4]} and {b[4]}: template tensors overlap in memory, but checkpoint step {self.step} "
+                    "holds them as separate values; give the template separate tensors"
+                )
 
     def _into_tensor(self, tmpl: torch.Tensor, e: Entry) -> Producer:
         target = tmpl.detach()
@@ -300,6 +350,23 @@ class _Binder:
         return lambda: kind(p() for p in producers)
 
 
+def _tensor_memory(t: torch.Tensor) -> _Memory | None:
+    """(identity, byte span) of a tensor's memory; None when it holds no bytes."""
+    if t.numel() == 0:
+        return None
+    span = (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+    return (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype), span
+
+
+def _array_memory(a: np.ndarray[Any, Any]) -> _Memory | None:
+    if a.size == 0:
+        return None
+    span = (sum((n - 1) * abs(st) for n, st in zip(a.shape, a.strides, strict=True)) + 1) * a.itemsize
+    address = int(a.__array_interface__["data"][0])
+    low = address + sum((n - 1) * st for n, st in zip(a.shape, a.strides, strict=True) if st < 0)
+    return ("numpy", low, a.shape, a.strides, a.dtype.str), span
+
+
 def _bytes_of(arr: np.ndarray[Any, Any]) -> memoryview:
     """A writable byte view of a C-contiguous array's memory."""
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
@@ -322,54 +389,88 @@ def _plain(node: JsonNode) -> object:
 
 
 class ZstdFile(ReadableFile):
-    """A zstd-compressed shard read front to back (restore reads in offset order); a read
-    behind the current position starts decompressing again from the beginning."""
+    """A zstd-compressed shard (one or more frames) read front to back (restore reads in
+    offset order); a read behind the current position starts decompressing again from the
+    beginning.
 
-    CHUNK = 8 << 20
+    Memory stays bounded whatever the frames claim: bytes are decompressed straight into the
+    caller's buffer (or a fixed scratch buffer when skipping ahead), never more than asked
+    for, and never past the declared length. `check_end` then reads at most one byte past
+    it: a shard that decompresses to more or fewer bytes than declared is corrupted.
+    """
+
+    READ_SIZE = 8 << 20  # compressed bytes per read from the tier (one ranged GET on tier 2)
+    SKIP_SIZE = 1 << 20  # decompressed bytes per step when skipping ahead
 
     def __init__(self, raw: ReadableFile, length: int, path: str) -> None:
         self.size = length
         self._raw = raw
         self._path = path
+        self._scratch: memoryview | None = None
         self._rewind()
 
     def _rewind(self) -> None:
         import zstandard
 
-        self._dobj = zstandard.ZstdDecompressor().decompressobj()
         self._raw_pos = 0
         self._pos = 0
-        self._pending = b""
+        # read_across_frames: the format allows several frames, decompressing back to back.
+        self._reader: Any = zstandard.ZstdDecompressor().stream_reader(
+            cast(Any, self), read_size=self.READ_SIZE, read_across_frames=True, closefd=False
+        )
 
-    def _take(self, n: int) -> bytes:
-        """Up to `n` decompressed bytes at the current position ('' at the end)."""
-        while not self._pending and self._raw_pos < self._raw.size:
-            chunk = bytearray(min(self.CHUNK, self._raw.size - self._raw_pos))
+    def read(self, n: int) -> bytearray:
+        """The next compressed bytes, for the decompressor (empty at the end of the file)."""
+        n = min(n, self._raw.size - self._raw_pos)
+        chunk = bytearray(n)
+        if n:
             self._raw.read_into(self._raw_pos, memoryview(chunk))
-            self._raw_pos += len(chunk)
-            try:
-                self._pending = self._dobj.decompress(bytes(chunk))
-            except Exception as exc:  # zstandard.ZstdError: not a valid frame
-                raise CheckpointCorruptedError(f"{self._path}: bad zstd data: {exc}") from None
-        out, self._pending = self._pending[:n], self._pending[n:]
-        self._pos += len(out)
-        return out
+            self._raw_pos += n
+        return chunk
 
-    def read_into(self, offset: int, dest: memoryview) -> None:
-        if offset < self._pos:
-            self._rewind()
-        while self._pos < offset:
-            if not self._take(min(self.CHUNK, offset - self._pos)):
-                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}")
+    def _fill(self, dest: memoryview) -> int:
+        """Decompress into `dest`; fewer bytes only where the data ends."""
         filled = 0
         while filled < len(dest):
-            out = self._take(len(dest) - filled)
-            if not out:
-                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}")
-            dest[filled : filled + len(out)] = out
-            filled += len(out)
+            try:
+                n = self._reader.readinto(dest[filled:])
+            except Exception as exc:  # zstandard.ZstdError: not a valid frame
+                raise CheckpointCorruptedError(f"{self._path}: bad zstd data: {exc}") from None
+            if not n:
+                break
+            filled += n
+        self._pos += filled
+        return filled
+
+    def _skip_to(self, offset: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(min(self.SKIP_SIZE, max(self.size, 1))))
+        while self._pos < offset:
+            if not self._fill(self._scratch[: min(len(self._scratch), offset - self._pos)]):
+                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}, manifest says {self.size}")
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        if offset + len(dest) > self.size:
+            raise EOFError(f"{self._path}: bytes {offset}..{offset + len(dest)} lie past its {self.size} bytes")
+        if offset < self._pos:
+            self._rewind()
+        self._skip_to(offset)
+        if self._fill(dest) < len(dest):
+            raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}, manifest says {self.size}")
+
+    def check_end(self) -> None:
+        """Raise CheckpointCorruptedError unless the data decompresses to exactly `size` bytes."""
+        try:
+            self._skip_to(self.size)
+        except EOFError as exc:
+            raise CheckpointCorruptedError(str(exc)) from None
+        if self._fill(memoryview(bytearray(1))):
+            raise CheckpointCorruptedError(
+                f"{self._path}: decompresses to more than the {self.size} bytes its manifest declares"
+            )
 
     def close(self) -> None:
+        self._reader.close()
         self._raw.close()
 
 
@@ -394,6 +495,11 @@ def read_marker(tier: Tier, step: int) -> Marker:
 
 def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> Manifest:
     """Read and verify one rank's manifest of `step` against the commit marker."""
+    return read_manifest_with_bytes(tier, step, rank, marker)[1]
+
+
+def read_manifest_with_bytes(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> tuple[bytes, Manifest]:
+    """`read_manifest`, with the bytes it decoded (those the marker's checksum covers)."""
     if marker is None:
         marker = read_marker(tier, step)
     if not 0 <= rank < marker.world_size:
@@ -421,7 +527,7 @@ def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None
         raise CheckpointCorruptedError(
             f"{mwhere}: checksum algorithm {manifest.checksum_algorithm!r}, marker says {marker.checksum_algorithm!r}"
         )
-    return manifest
+    return data, manifest
 
 
 def read_step(
@@ -514,12 +620,16 @@ def prepare_step(
             raise CheckpointCorruptedError(
                 f"{tier.path_of(step)}: cannot allocate what the manifest claims: {exc}"
             ) from None
+        binder.check_overlaps()
         if binder.missing and strict:
             raise StateMismatchError(
                 f"{', '.join(binder.missing)}: template key(s) not in the checkpoint (step {step}); "
                 "drop them from the template, or restore(state, strict=False) to leave them as they are"
             )
         _read_verified(tier, step, files, binder.reads, manifest.checksum_algorithm, progress)
+        for f in files.values():
+            if isinstance(f, ZstdFile):
+                f.check_end()
     finally:
         for f in files.values():
             f.close()
@@ -628,7 +738,7 @@ def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCa
     Raises:
         CheckpointCorruptedError: a shard is missing, short, or an entry's bytes differ.
     """
-    buf = bytearray(READ_CHUNK)
+    buf = bytearray(min(READ_CHUNK, max((sf.length for sf in manifest.files), default=0)))
     view = memoryview(buf)
     total = sum(sf.length for sf in manifest.files)
     done = 0
@@ -669,6 +779,8 @@ def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCa
                 if progress is not None:
                     done += n
                     progress(done, total)
+            if isinstance(f, ZstdFile):
+                f.check_end()
         finally:
             f.close()
         for ((off, length), expected), h in zip(ordered, hashers, strict=True):

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from ..errors import CheckpointCorruptedError, NoCheckpointError, WriterActiveError
+from ..errors import CheckpointCorruptedError, DirectoryInUseError, NoCheckpointError
 from ..progress import format_bytes, terminal_bar
 from .describe import describe_step, render
 from .export import FORMATS, describe_result, export_step
@@ -35,7 +35,7 @@ def register(sub: Any) -> None:
     p.add_argument("locations", nargs="+", metavar="LOCATION", help="tier roots; the first holding the step is read")
     p.add_argument("--step", type=int, default=None, help="default: the newest committed step")
     p.add_argument("--rank", type=int, default=0, help="whose view of a multi-rank step (default 0)")
-    _json_flag(p)
+    _common_flags(p)
 
     p = sub.add_parser("export", help="write a step as .safetensors, .pt, or a DCP directory (streamed)")
     p.add_argument("location")
@@ -45,7 +45,7 @@ def register(sub: Any) -> None:
     p.add_argument("--rank", type=int, default=0, help="whose view of a multi-rank step (default 0)")
     p.add_argument("--format", choices=FORMATS, default=None, help="instead of the destination's suffix")
     p.add_argument("--force", action="store_true", help="replace an existing destination")
-    _json_flag(p)
+    _common_flags(p)
 
     p = sub.add_parser("import", help="commit a torch.save file, a safetensors file or a DCP directory as a step")
     p.add_argument("source", metavar="FILE")
@@ -54,7 +54,7 @@ def register(sub: Any) -> None:
     p.add_argument("--prefix", default=None, help="save the contents under this key (dotted nests)")
     p.add_argument("--format", choices=SOURCE_FORMATS, default=None, help="instead of guessing from the source")
     p.add_argument("--int-keys", action="store_true", help="turn decimal-string dict keys into ints (DCP)")
-    _json_flag(p)
+    _common_flags(p)
 
     p = sub.add_parser("prune", help="delete old steps, as retention would (never the newest)")
     p.add_argument("location")
@@ -62,18 +62,35 @@ def register(sub: Any) -> None:
     p.add_argument("--keep-every", type=int, default=None, metavar="N", help="also keep multiples of N")
     p.add_argument("--remote", default=None, metavar="URL", help="keep steps not yet committed on this next tier")
     p.add_argument("--dry-run", action="store_true", help="only show what would be deleted")
-    _json_flag(p)
+    _common_flags(p)
 
     p = sub.add_parser("rm", help="delete one committed step")
     p.add_argument("location")
     p.add_argument("--step", type=int, required=True)
     p.add_argument("--allow-newest", action="store_true", help="allow deleting the newest committed step")
     p.add_argument("--dry-run", action="store_true", help="only show what would be deleted")
-    _json_flag(p)
+    _common_flags(p)
 
 
-def _json_flag(p: argparse.ArgumentParser) -> None:
+def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON document")
+    p.add_argument(
+        "--storage-options",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='fsspec options for URLs, e.g. \'{"endpoint_url": "http://minio:9000"}\'',
+    )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(args, exc, EXIT_DAMAGED, "run `tiercheck verify` on the step; restore falls back to an older one")
     except NoCheckpointError as exc:
         return _fail(args, exc, EXIT_USAGE, "check the location and the step (`tiercheck ls LOCATION`)")
-    except WriterActiveError as exc:
+    except DirectoryInUseError as exc:
         return _fail(args, exc, EXIT_USAGE, "")
     except ImportError as exc:  # an optional dependency
         return _fail(args, exc, EXIT_USAGE, "pip install 'tiercheck[safetensors]'")
@@ -106,7 +123,7 @@ def _fail(args: argparse.Namespace, exc: BaseException, code: int, hint: str) ->
 
 
 def _inspect(args: argparse.Namespace) -> tuple[Any, str]:
-    doc = describe_step([tier_at(loc) for loc in args.locations], args.step, args.rank)
+    doc = describe_step([tier_at(loc, args.storage_options) for loc in args.locations], args.step, args.rank)
     return doc, render(doc)
 
 
@@ -120,6 +137,7 @@ def _export(args: argparse.Namespace) -> tuple[Any, str]:
             prefix=args.prefix,
             rank=args.rank,
             overwrite=args.force,
+            storage_options=args.storage_options,
             progress=progress,
         )
     text = (
@@ -142,6 +160,7 @@ def _import(args: argparse.Namespace) -> tuple[Any, str]:
             format=args.format,
             prefix=args.prefix,
             int_keys=args.int_keys,
+            storage_options=args.storage_options,
             progress=progress,
         )
     doc = {
@@ -162,12 +181,27 @@ def _import(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _prune(args: argparse.Namespace) -> tuple[Any, str]:
-    result = prune_steps(args.location, args.keep_last, args.keep_every, next_tier=args.remote, dry_run=args.dry_run)
+    result = prune_steps(
+        args.location,
+        args.keep_last,
+        args.keep_every,
+        next_tier=args.remote,
+        dry_run=args.dry_run,
+        storage_options=args.storage_options,
+    )
     return _deletion(result)
 
 
 def _rm(args: argparse.Namespace) -> tuple[Any, str]:
-    return _deletion(remove_step(args.location, args.step, allow_newest=args.allow_newest, dry_run=args.dry_run))
+    return _deletion(
+        remove_step(
+            args.location,
+            args.step,
+            allow_newest=args.allow_newest,
+            dry_run=args.dry_run,
+            storage_options=args.storage_options,
+        )
+    )
 
 
 def _deletion(result: PruneResult) -> tuple[Any, str]:

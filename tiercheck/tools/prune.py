@@ -5,12 +5,13 @@ never a step not yet committed on the next tier when one is named), and each ste
 through the tier's own `delete_step` (the marker disappears first, so a crash midway
 leaves the step invisible, never half-listed).
 
-Writers: a `Checkpointer` writing to a local directory holds an exclusive `flock` on a
-lock file in it, ``.tiercheck-lock-rank-<r>`` (one per rank sharing the directory). Before
-deleting anything these tools take every ``.tiercheck-lock-*`` file of the directory with
-``LOCK_EX | LOCK_NB`` and hold them until done: a held lock means a writer is running, and
-the tool refuses (`WriterActiveError`); a writer starting meanwhile waits or fails to lock.
-Object stores have no locks: there these tools cannot tell whether a writer is running.
+Writers: a `Checkpointer` writing to a local directory holds an exclusive `flock` on
+``.tiercheck-lock-rank-<r>`` there (`LocalTier.claim_writer`, one file per rank). These tools
+take every such lock of the directory, and rank 0's (creating its file if no writer ever ran
+there), with ``LOCK_EX | LOCK_NB``, and hold them until done: a held lock means a writer is
+running, and the tool refuses (`DirectoryInUseError`, naming the lock and its holder); a
+Checkpointer starting meanwhile gets that same error. Object stores have no locks: there
+these tools cannot tell whether a writer is running.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import NoCheckpointError, WriterActiveError
+from .. import layout
+from ..errors import DirectoryInUseError, NoCheckpointError
 from ..retention import KeepEvery, KeepLast, RetentionPolicy, plan_deletions
 from ..tiers.base import Tier
 from ..tiers.local import LocalTier
 from .view import tier_at
 
-__all__ = ["LOCK_PREFIX", "PruneResult", "prune_steps", "remove_step", "writers_excluded"]
+__all__ = ["PruneResult", "prune_steps", "remove_step", "writers_excluded"]
 
-LOCK_PREFIX = ".tiercheck-lock-"
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +44,8 @@ class PruneResult:
     Attributes:
         deleted: steps deleted (or to delete), ascending.
         kept: committed steps left in place, ascending.
-        writer_check: ``"free"`` (lock files found, none held), ``"no lock files"``, or
-            ``"impossible"`` (an object store: no locks to check).
+        writer_check: ``"locked"`` (this tool held every writer lock of the directory
+            while it deleted), or ``"impossible"`` (an object store: no locks to check).
     """
 
     location: str
@@ -53,43 +56,61 @@ class PruneResult:
 
 
 @contextlib.contextmanager
-def writers_excluded(tier: Tier) -> Iterator[str]:
-    """Hold every writer lock of `tier`'s directory for the duration of the block.
+def writers_excluded(tier: Tier, create: bool = True) -> Iterator[str]:
+    """Hold every writer lock of `tier`'s directory for the duration of the block, and rank
+    0's, its file created if missing and `create` is set (a dry run creates nothing).
 
     Yields the `PruneResult.writer_check` value.
 
     Raises:
-        WriterActiveError: a writer holds one of the locks.
+        DirectoryInUseError: a writer holds one of the locks.
     """
     if not isinstance(tier, LocalTier):
         yield "impossible"
         return
+    try:
+        names = sorted(n for n in os.listdir(tier.root) if n.startswith(layout.LOCK_PREFIX))
+    except FileNotFoundError:
+        names = []
+    else:
+        if create:  # rank 0's too, so that no writer starts on a directory none has locked yet
+            names = sorted({*names, layout.lock_name(0)})
     fds: list[int] = []
     try:
-        try:
-            names = sorted(n for n in os.listdir(tier.root) if n.startswith(LOCK_PREFIX))
-        except FileNotFoundError:
-            names = []
         for name in names:
             path = os.path.join(tier.root, name)
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            except FileNotFoundError:  # its writer removed it while closing
+                fd = os.open(path, os.O_RDONLY | (os.O_CREAT if create else 0) | _O_CLOEXEC | _O_NOFOLLOW, 0o644)
+            except FileNotFoundError:  # its writer's directory is being removed
                 continue
+            except OSError as exc:  # a read-only directory: its deletions would fail as well
+                if name == layout.lock_name(0) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    continue
+                raise
             fds.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise
-                raise WriterActiveError(
-                    f"{path}: a writer holds this lock (a Checkpointer is open on {tier.root}); "
-                    "close it, or let its own retention (keep_local=...) prune"
+                raise DirectoryInUseError(
+                    f"{tier.root} is being written by {_holder(path)} (it holds the lock {path}); "
+                    "close that Checkpointer first, or let its own retention (keep_local=...) prune"
                 ) from None
-        yield "free" if names else "no lock files"
+        yield "locked"
     finally:
         for fd in fds:
             os.close(fd)  # releases the lock
+
+
+def _holder(path: str) -> str:
+    """Who holds a writer lock, as its holder wrote it into the file."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(200).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "another process"
 
 
 def prune_steps(
@@ -114,14 +135,14 @@ def prune_steps(
         storage_options: fsspec options for URLs.
 
     Raises:
-        WriterActiveError: a Checkpointer holds the directory.
+        DirectoryInUseError: a Checkpointer holds the directory.
         ValueError: `keep_last` < 1 or `keep_every` < 1.
     """
     policy: RetentionPolicy = KeepLast(keep_last)
     if keep_every is not None:
         policy = policy | KeepEvery(keep_every)
     tier = tier_at(location, storage_options)
-    with writers_excluded(tier) as check:
+    with writers_excluded(tier, create=not dry_run) as check:
         committed = tier.committed_steps()
         pending: list[int] = []
         if next_tier is not None:
@@ -144,10 +165,10 @@ def remove_step(
     Raises:
         NoCheckpointError: `step` is not committed at `location`.
         ValueError: `step` is the newest committed step and `allow_newest` is False.
-        WriterActiveError: a Checkpointer holds the directory.
+        DirectoryInUseError: a Checkpointer holds the directory.
     """
     tier = tier_at(location, storage_options)
-    with writers_excluded(tier) as check:
+    with writers_excluded(tier, create=not dry_run) as check:
         committed = tier.committed_steps()
         if step not in committed:
             raise NoCheckpointError(f"step {step} is not committed at {tier.location}; committed: {committed}")
