@@ -140,7 +140,11 @@ def import_step(
     loc = os.fspath(location)
     remote = "://" in loc
     ckpt = Checkpointer(
-        local=None if remote else loc, remote=loc if remote else None, storage_options=storage_options, keep_local=None
+        local=None if remote else loc,
+        remote=loc if remote else None,
+        storage_options=storage_options,
+        keep_local=None,
+        run_log_interval=None,  # an import is not a training run: `tiercheck report` should not list it
     )
     with ckpt:
         handle = ckpt.save(step, state)
