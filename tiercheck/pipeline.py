@@ -204,8 +204,8 @@ class Pipeline:
         self._tracks: dict[int, _Track] = {}
         self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
         # Tier-1 steps tier 2 still needs that no handle tracks: catch-up uploads not yet
-        # attempted, and failed uploads that tier-2 retention would keep (`_owe`). Tier-1
-        # retention never deletes them.
+        # attempted, and failed uploads that tier-2 retention would keep (`_settle_owed`).
+        # Tier-1 retention never deletes them.
         self._catching_up: set[int] = set()
         self._owed: set[int] = set()
         self._writing = False
