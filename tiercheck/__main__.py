@@ -1,5 +1,6 @@
 """Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck --version``,
-``tiercheck bench ...``, and ``tiercheck report DIR`` / ``tiercheck plan`` (in `cli_goodput.py`).
+``tiercheck bench ...``, ``tiercheck report DIR`` / ``tiercheck plan`` (in `cli_goodput.py`), and the
+checkpoint tools ``inspect``, ``export``, ``import``, ``prune``, ``rm`` (in `tools/cli.py`).
 
 Exit status: 0 every step checked is intact, 1 a step is damaged, 2 nothing was checked (bad
 usage, a missing location or step, nothing committed there, an unreachable store); such an
@@ -29,11 +30,13 @@ from . import __version__, cli_goodput
 from .checkpointer import _with_timeouts
 from .errors import CheckpointCorruptedError, TiercheckError
 from .manifest import Manifest
+from .progress import part_of, terminal_bar
 from .restore import present_manifests, read_marker, verify_files
 from .retry import RetryPolicy
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
+from .tools import cli as tools_cli
 
 BENCH_ENV = "TIERCHECK_BENCH_SCRIPT"
 
@@ -112,7 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_help=False,
     )
     cli_goodput.add_parsers(sub)
+    tools_cli.register(sub)
     args = ap.parse_args(args_in)
+    if args.cmd in tools_cli.COMMANDS:
+        return tools_cli.run(args)
     log = logging.getLogger("tiercheck")
     level = log.level
     log.setLevel(logging.ERROR)  # retry warnings would bury the one line an error gets
@@ -170,8 +176,12 @@ def _run(args: argparse.Namespace) -> int:
             manifests = list(present_manifests(tier, step, marker))
             if not manifests:
                 raise CheckpointCorruptedError(f"{tier.path_of(step)}: no rank's manifest is present")
-            for m in manifests:
-                verify_files(tier, step, m)
+            total = sum(sf.length for m in manifests for sf in m.files)
+            before = 0
+            with terminal_bar(f"verify step {step}") as progress:
+                for m in manifests:
+                    verify_files(tier, step, m, part_of(progress, before, total))
+                    before += sum(sf.length for sf in m.files)
             print(f"step {step}: ok ({_ranks(manifests, marker.world_size)})")
         except TiercheckError as exc:
             bad += 1

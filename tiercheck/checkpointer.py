@@ -30,6 +30,7 @@ from .events import logger
 from .handle import DrainReport, SaveHandle, WaitTimeoutError
 from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
+from .progress import ProgressCallback
 from .restore import restore_collective, restore_from
 from .retarget import Key, balance
 from .retention import RetentionPolicy, as_policy
@@ -731,7 +732,14 @@ class Checkpointer:
 
     # -- restore ---------------------------------------------------------------------
 
-    def restore(self, state: MutableMapping[Any, Any], step: int | None = None, strict: bool = True) -> int | None:
+    def restore(
+        self,
+        state: MutableMapping[Any, Any],
+        step: int | None = None,
+        strict: bool = True,
+        *,
+        progress: ProgressCallback | None = None,
+    ) -> int | None:
         """Restore `state` in place from the newest committed step (or exactly `step`).
 
         The template becomes equal to the checkpoint, reusing its memory
@@ -754,6 +762,8 @@ class Checkpointer:
             strict: when False, a template key the checkpoint lacks (a metric or an EMA
                 added to a running job) is left as it is and reported in a warning and a
                 ``restore_missing_keys`` event, instead of raising.
+            progress: called as ``progress(done_bytes, total_bytes)`` while the step's
+                bytes are read (`tiercheck.progress`; ``terminal_bar`` draws a bar).
 
         Returns:
             The restored step, or None when no checkpoint exists on any tier.
@@ -778,10 +788,20 @@ class Checkpointer:
             t0 = time.perf_counter()
             self._wait()
             if self._group is None:
-                found = restore_from(self._tiers, state, step, self.rank, strict, world_size=self.world_size)
+                found = restore_from(
+                    self._tiers, state, step, self.rank, strict, world_size=self.world_size, progress=progress
+                )
             else:
                 found = restore_collective(
-                    self._group.coord, self._local, self._remote, state, step, self.rank, self.world_size, strict
+                    self._group.coord,
+                    self._local,
+                    self._remote,
+                    state,
+                    step,
+                    self.rank,
+                    self.world_size,
+                    strict,
+                    progress,
                 )
             self._runlog.restored(None if found is None else found.step, time.perf_counter() - t0)
             if found is None:
