@@ -11,18 +11,21 @@ requests in flight. This module holds what the remote tier (`remote.py`) needs f
 - `PartSource`: where the parts come from (host memory, a tier-1 file, a chunk stream);
 - `upload_parts`: sends a source's parts with at most `concurrency` in flight, each part
   retried on its own, and aborts the upload on any failure;
-- `read_ranges`: fills destination buffers with concurrent ranged reads.
+- `RangeReader`: positional reads of one object with concurrent ranged reads, the next
+  bytes fetched ahead meanwhile.
 
-Threads: `upload_parts` and `read_ranges` run a pool of at most `concurrency` threads for
-the duration of one call and join it before they return. Every request goes through the
-tier's `call` (retry with backoff, and a deadline per attempt), so a hung server fails
-within the retry budget plus one attempt's deadline, as a single request does.
+Threads: `upload_parts` runs a pool of at most `concurrency` threads for the duration of
+one call and joins it before it returns; a `RangeReader` keeps one such pool while its file
+is open. Every request goes through the tier's `call` (retry with backoff, and a deadline
+per attempt), so a hung server fails within the retry budget plus one attempt's deadline,
+as a single request does.
 
 Memory: an upload holds at most `concurrency` parts at a time, so at most
 ``concurrency x part_size`` bytes beyond the host buffer (parts of the host buffer are
 slices of it: no bytes at all, except on S3, whose client takes only ``bytes``/``bytearray``
-bodies, so a slice is copied once while it is sent). A read holds at most `concurrency`
-pieces of at most its piece size while they are copied into place.
+bodies, so a slice is copied once while it is sent). The S3 client (aiohttp) makes up to
+two more copies of each part it is sending. A read holds its pieces while they are copied
+into place, and the bytes it fetched ahead (see `RangeReader`).
 """
 
 from __future__ import annotations
@@ -502,51 +505,98 @@ def _take(slots: queue.SimpleQueue[bytearray], failed: threading.Event) -> bytea
     return None
 
 
-def read_ranges(
-    fetch: Callable[[int, int], bytes],
-    start: int,
-    targets: Sequence[memoryview],
-    concurrency: int,
-    call: Call,
-    what: str,
-) -> None:
-    """Fill `targets`, which hold the consecutive bytes from `start` on, with ranged reads
-    (`fetch(offset, n)`), up to `concurrency` at a time, in pieces of at least 1 MiB; each
-    piece is copied into place as it arrives. Raises EOFError if the file is shorter."""
-    total = sum(t.nbytes for t in targets)
-    if total == 0:
-        return
-    count = max(1, min(concurrency, total // MIN_READ_PIECE))
-    piece = -(-total // count)
-    pieces = [(p, min(piece, total - p)) for p in range(0, total, piece)]
-    failed = threading.Event()
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    start: int
+    end: int
+    data: Future[bytes]
 
-    def get(pos: int, n: int) -> None:
-        data = call(what, lambda: fetch(start + pos, n), n, failed.is_set)
+
+class RangeReader:
+    """Positional reads of one object, with up to `concurrency` ranged reads in flight.
+
+    A read is split into pieces of at least 1 MiB fetched concurrently and copied into the
+    destination as they arrive. Meanwhile the bytes after it (as many as it asked for, 1 MiB
+    to 32 MiB) are fetched too, queued behind its own pieces, so that a reader going through
+    the file in order (restore, a zstd stream) finds them there: the connections never sit
+    idle waiting for the slowest piece of a read, and a run of small reads costs one request.
+    A read elsewhere drops what was fetched ahead. Memory: the pieces of one read in flight
+    plus the bytes fetched ahead, at most 64 MiB with restore's 32 MiB reads.
+
+    One reader thread at a time; `close()` stops the fetches (each ends within its attempt's
+    deadline) without waiting for them.
+    """
+
+    AHEAD_MIN = 1 * MiB
+    AHEAD_MAX = 32 * MiB
+
+    def __init__(self, fetch: Callable[[int, int], bytes], size: int, concurrency: int, call: Call, what: str) -> None:
+        self._fetch = fetch
+        self._size = size
+        self._concurrency = concurrency
+        self._call = call
+        self._what = what
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: list[_Piece] = []  # fetched ahead, consecutive, in file order
+        self._closed = threading.Event()
+
+    def _submit(self, start: int, end: int) -> list[_Piece]:
+        """Pieces covering [start, end), queued on the pool."""
+        if end <= start:
+            return []
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="tiercheck-read")
+        total = end - start
+        count = max(1, min(self._concurrency, total // MIN_READ_PIECE))
+        step = -(-total // count)
+        pool = self._pool
+        return [
+            _Piece(p, min(p + step, end), pool.submit(self._get, p, min(p + step, end)))
+            for p in range(start, end, step)
+        ]
+
+    def _get(self, start: int, end: int) -> bytes:
+        n = end - start
+        data = self._call(self._what, lambda: self._fetch(start, n), n, self._closed.is_set)
         if len(data) != n:
-            raise EOFError(f"{what}: the file ends before byte {start + pos + n}")
-        _scatter(memoryview(data), pos, targets)
+            raise EOFError(f"{self._what}: the file ends before byte {end}")
+        return data
 
-    if len(pieces) == 1:
-        get(*pieces[0])
-        return
-    with ThreadPoolExecutor(len(pieces), thread_name_prefix="tiercheck-read") as pool:
-        futures: list[Future[None]] = [pool.submit(get, p, n) for p, n in pieces]
-        try:
-            for fut in futures:
-                fut.result()
-        except BaseException:
-            failed.set()  # the others stop retrying; running attempts end within their deadline
-            for fut in futures:
-                fut.cancel()
-            raise
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        end = offset + dest.nbytes
+        if dest.nbytes == 0:
+            return
+        use: list[_Piece] = []
+        keep: list[_Piece] = []
+        for p in self._ahead:
+            if p.end <= offset:
+                p.data.cancel()  # behind this read: not needed
+            elif p.start >= end:
+                keep.append(p)
+            else:
+                use.append(p)
+        if use and use[0].start > offset:  # starts before what was fetched ahead
+            for p in use + keep:
+                p.data.cancel()
+            use, keep = [], []
+        covered = use[-1].end if use else offset
+        if use and use[-1].end > end:  # its tail is the next read's start
+            keep.insert(0, use[-1])
+        pieces = use + self._submit(covered, end)
+        ahead_from = keep[-1].end if keep else max(end, covered)
+        want = min(max(dest.nbytes, self.AHEAD_MIN), self.AHEAD_MAX)
+        if ahead_from - end < want // 2:  # refill in large requests, not a sliver per small read
+            keep += self._submit(ahead_from, min(self._size, end + want))
+        self._ahead = keep
+        for p in pieces:
+            data = memoryview(p.data.result())
+            lo, hi = max(p.start, offset), min(p.end, end)
+            dest[lo - offset : hi - offset] = data[lo - p.start : hi - p.start]
 
-
-def _scatter(data: memoryview, pos: int, targets: Sequence[memoryview]) -> None:
-    """Copy `data`, which starts `pos` bytes into the concatenation of `targets`, into them."""
-    base = 0
-    for t in targets:
-        lo, hi = max(pos, base), min(pos + data.nbytes, base + t.nbytes)
-        if hi > lo:
-            t[lo - base : hi - base] = data[lo - pos : hi - pos]
-        base += t.nbytes
+    def close(self) -> None:
+        self._closed.set()  # fetches in flight stop retrying
+        for p in self._ahead:
+            p.data.cancel()
+        self._ahead = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

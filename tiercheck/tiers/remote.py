@@ -53,9 +53,10 @@ class RemoteTier(Tier):
             ``concurrency x part size`` bytes beyond the host buffer (from tier 1, parts
             are read with pread into that many reused part buffers; from the host buffer,
             parts are slices of it, copied only on S3, whose client takes only
-            ``bytes``/``bytearray``); a read holds at most ``concurrency`` ranges of at most
-            ``ceil(read / concurrency)`` bytes (32 MiB reads at restore: 4 MiB each), plus
-            a 1 MiB read-ahead per open file.
+            ``bytes``/``bytearray``; S3's aiohttp makes up to two more copies of a part
+            while sending it). A read holds its ranges while they are copied into place,
+            plus the bytes it fetched ahead of the reader: at most twice the read size,
+            64 MiB per open file at restore (see `multipart.RangeReader`).
         write_rate: optional cap in bytes/s for uploads.
         compression: None, or "zstd" to store shard files zstd-compressed (level
             `compression_level`); the manifest then records codec and stored size.
@@ -419,45 +420,21 @@ class _RemoteStepWriter(StepWriter):
 
 
 class _RemoteFile(ReadableFile):
-    """Ranged reads of one object: a read is split over up to `concurrency` ranged GETs
-    copied straight into the destination, and each read also fetches the next
-    `READAHEAD` bytes, which serve the following read's start (restore reads in file
-    order, so a run of small tensors costs one request, not one each)."""
-
-    READAHEAD = 1 << 20
-
     def __init__(self, tier: RemoteTier, path: str, size: int) -> None:
-        self._tier = tier
         self._path = path
         self.size = size
-        self._ahead_at = 0
-        self._ahead = memoryview(b"")
-        self._lock = threading.Lock()
+        fs = tier.fs
 
-    def _fetch(self, start: int, n: int) -> bytes:
-        data: bytes = self._tier.fs.cat_file(self._path, start=start, end=start + n)
-        return data
+        def fetch(start: int, n: int) -> bytes:
+            data: bytes = fs.cat_file(path, start=start, end=start + n)
+            return data
+
+        self._reader = multipart.RangeReader(fetch, size, tier.concurrency, tier._call, f"reading {path}")
 
     def read_into(self, offset: int, dest: memoryview) -> None:
-        total = len(dest)
-        if offset < 0 or offset + total > self.size:  # servers answer 416 there; say what it means
-            raise EOFError(f"{self._path}: file ends at byte {self.size}, before byte {offset + total}")
-        with self._lock:
-            done = 0
-            lo = offset - self._ahead_at
-            if 0 <= lo < len(self._ahead):
-                done = min(total, len(self._ahead) - lo)
-                dest[:done] = self._ahead[lo : lo + done]
-            if done == total:
-                return
-            start = offset + done
-            ahead = memoryview(bytearray(min(self.READAHEAD, self.size - offset - total)))
-            targets = [dest[done:], ahead]
-            self._ahead = memoryview(b"")
-            multipart.read_ranges(
-                self._fetch, start, targets, self._tier.concurrency, self._tier._call, f"reading {self._path}"
-            )
-            self._ahead_at, self._ahead = offset + total, ahead
+        if offset < 0 or offset + len(dest) > self.size:  # servers answer 416 there; say what it means
+            raise EOFError(f"{self._path}: file ends at byte {self.size}, before byte {offset + len(dest)}")
+        self._reader.read_into(offset, dest)
 
     def close(self) -> None:
-        self._ahead = memoryview(b"")
+        self._reader.close()
