@@ -30,7 +30,9 @@ The link limit of a method is ``rate x connections in flight``, or the server's 
 ceiling (the best direct method of that direction), whichever is lower; each method's ratio
 to its limit is reported. Restore times exclude creating the S3 client (done before the clock
 starts, for every method); upload times from tier 1 read a file the page cache was asked to
-drop (``POSIX_FADV_DONTNEED``), as the tier-1 writer leaves it.
+drop (``POSIX_FADV_DONTNEED``), as the tier-1 writer leaves it. CPU seconds of the client
+(this process, all threads), the proxy and the server are reported per method, over the
+timed window: on a small machine they share the cores.
 """
 
 from __future__ import annotations
@@ -83,12 +85,14 @@ LABELS = {
 
 
 def make_state(size_mib: int) -> dict[str, torch.Tensor]:
-    """fp32 random tensors (incompressible) of 16 MiB each, so DCP's threads all get files."""
+    """fp32 random tensors (incompressible), 16 of them (at most 16 MiB each), so that each of
+    DCP's threads gets files to write."""
     g = torch.Generator().manual_seed(0)
     left = size_mib * MiB // 4
+    each = max(1, min(4 * MiB, left // 16))
     state: dict[str, torch.Tensor] = {}
     while left > 0:
-        n = min(4 * MiB, left)
+        n = min(each, left)
         state[f"layer{len(state):03d}.weight"] = torch.randn(n, generator=g)
         left -= n
     return state
@@ -101,6 +105,18 @@ def drop_file_cache(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` so far (0 if unknown)."""
+    if pid is None:
+        return time.process_time()  # this process, every thread
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def git_rev() -> str:
@@ -130,6 +146,10 @@ class Run:
         self.fs = {k: fsspec.filesystem("s3", **o) for k, o in self.opts.items()}
         self.url = f"{server.url_root}/bench-{os.getpid()}"
         self.times: dict[str, list[float]] = {m: [] for m in (*UP, *DOWN, *DIRECT)}
+        # CPU seconds per method of: this process (client), the shaping proxy, the server
+        self.cpu: dict[str, list[tuple[float, float, float]]] = {m: [] for m in self.times}
+        self.pids: tuple[int | None, int | None, int | None] = (None, None, None)
+        self.last_cpu = (0.0, 0.0, 0.0)
         self.durable: list[dict[str, float]] = []  # per tiercheck save: stall and tier_s
         self.step = 0
         self.last = {"shaped": 0, "direct": 0}  # the newest step saved through each link
@@ -152,15 +172,27 @@ class Run:
         for c in self.ckpts.values():
             c.close()
 
+    def start(self) -> tuple[float, list[float]]:
+        """Start the clock (wall time and the CPU of client, proxy and server)."""
+        return time.perf_counter(), [cpu_seconds(p) for p in self.pids]
+
+    def stop(self, started: tuple[float, list[float]]) -> float:
+        """Stop the clock: record the CPU used since `started`, return the wall seconds."""
+        t0, cpu0 = started
+        elapsed = time.perf_counter() - t0
+        used = [cpu_seconds(p) - c for p, c in zip(self.pids, cpu0, strict=True)]
+        self.last_cpu = (used[0], used[1], used[2])
+        return elapsed
+
     # -- upload ----------------------------------------------------------------------
     def up_tiercheck(self, link: str = "shaped") -> float:
         self.step += 1
         self.last[link] = self.step
         ckpt = self.ckpts[link]
-        t0 = time.perf_counter()
+        clock = self.start()
         h = ckpt.save(self.step, self.state)
         h.wait("remote")
-        durable = time.perf_counter() - t0
+        durable = self.stop(clock)
         ckpt.wait()  # retention too, so it does not overlap the next method
         st = h.stats
         if link == "shaped":
@@ -176,28 +208,28 @@ class Run:
 
     def up_put_file(self, link: str = "shaped") -> float:
         drop_file_cache(self.ref)
-        t0 = time.perf_counter()
+        clock = self.start()
         self.fs[link].put_file(self.ref, f"{self.url}/put-{link}/{SHARD}")
-        return time.perf_counter() - t0
+        return self.stop(clock)
 
     def up_open_wb(self) -> float:
         drop_file_cache(self.ref)
-        t0 = time.perf_counter()
+        clock = self.start()
         with (
             open(self.ref, "rb") as src,
             self.fs["shaped"].open(f"{self.url}/open/{SHARD}", "wb", block_size=16 * MiB) as f,
         ):
             while chunk := src.read(16 * MiB):
                 f.write(chunk)
-        return time.perf_counter() - t0
+        return self.stop(clock)
 
     def up_dcp(self) -> float:
         path = f"{self.url}/dcp"
         writer = FsspecWriter(path, thread_count=self.args.dcp_threads, sync_files=False, **self.opts["shaped"])
         writer.fs.exists(path)  # the client is set up before the clock starts
-        t0 = time.perf_counter()
+        clock = self.start()
         dcp.save(self.state, storage_writer=writer)
-        return time.perf_counter() - t0
+        return self.stop(clock)
 
     # -- restore ---------------------------------------------------------------------
     def dn_tiercheck(self, link: str = "shaped") -> float:
@@ -207,9 +239,9 @@ class Run:
             local=fresh, remote=url, storage_options=self.opts[link], remote_concurrency=self.args.concurrency
         ) as c:
             assert c.steps("local") == [] and c.steps("remote")  # a fresh node; the client is set up
-            t0 = time.perf_counter()
+            clock = self.start()
             got = c.restore(self.template)
-            elapsed = time.perf_counter() - t0
+            elapsed = self.stop(clock)
         assert got == self.last[link]
         shutil.rmtree(fresh, ignore_errors=True)
         return elapsed
@@ -218,29 +250,29 @@ class Run:
         out = os.path.join(self.root, "got.bin")
         fs = self.fs[link]
         fs.info(f"{self.url}/put-direct/{SHARD}")
-        t0 = time.perf_counter()
+        clock = self.start()
         fs.get_file(f"{self.url}/put-direct/{SHARD}", out)
-        elapsed = time.perf_counter() - t0
+        elapsed = self.stop(clock)
         os.unlink(out)
         return elapsed
 
     def dn_open_rb(self) -> float:
         view = memoryview(bytearray(16 * MiB))
-        t0 = time.perf_counter()
+        clock = self.start()
         with self.fs["shaped"].open(
             f"{self.url}/put-direct/{SHARD}", "rb", block_size=16 * MiB, cache_type="none"
         ) as f:
             while f.readinto(view):
                 pass
-        return time.perf_counter() - t0
+        return self.stop(clock)
 
     def dn_dcp(self) -> float:
         path = f"{self.url}/dcp"
         reader = FsspecReader(path, **self.opts["shaped"])
         reader.fs.exists(path)  # the client is set up before the clock starts
-        t0 = time.perf_counter()
+        clock = self.start()
         dcp.load(self.template, storage_reader=reader)
-        return time.perf_counter() - t0
+        return self.stop(clock)
 
     def methods(self) -> list[tuple[str, Callable[[], float]]]:
         return [
@@ -259,8 +291,9 @@ class Run:
         ]
 
 
-def run(args: argparse.Namespace, root: str, server: SeaweedFS, proxy_port: int) -> dict[str, Any]:
-    r = Run(args, root, server, proxy_port)
+def run(args: argparse.Namespace, root: str, server: SeaweedFS, proxy: ShapingProxyProcess) -> dict[str, Any]:
+    r = Run(args, root, server, proxy.port)
+    r.pids = (None, proxy.proc.pid, server.pid)
     try:
         # warm-up (not timed): buffers, clients, connections, every object the reads need
         for link in ("shaped", "direct"):
@@ -279,6 +312,7 @@ def run(args: argparse.Namespace, root: str, server: SeaweedFS, proxy_port: int)
             k = (rep * 5) % len(methods)
             for name, fn in methods[k:] + methods[:k]:
                 r.times[name].append(fn())
+                r.cpu[name].append(r.last_cpu)
             loads.append(os.getloadavg()[0])
             print(
                 f"repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{m} {v[-1]:.2f}s" for m, v in r.times.items()),
@@ -293,6 +327,7 @@ def run(args: argparse.Namespace, root: str, server: SeaweedFS, proxy_port: int)
     sizes["up_dcp"] = sizes["dn_dcp"] = r.shard_bytes  # DCP stores the same tensor bytes (+ metadata)
     return {
         "times": r.times,
+        "cpu": r.cpu,
         "sizes": sizes,
         "durable": r.durable,
         "shard_bytes": r.shard_bytes,
@@ -325,7 +360,7 @@ def main() -> None:
     try:
         server.start()
         with ShapingProxyProcess(server.port, rate_bps=args.rate_mbps * MB, rtt_s=args.rtt_ms / 1e3) as proxy:
-            results = run(args, root, server, proxy.port)
+            results = run(args, root, server, proxy)
     finally:
         server.close()
         shutil.rmtree(server_dir, ignore_errors=True)
@@ -360,15 +395,19 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         f"{', '.join(f'{x:.1f}' for x in loads)}, end {r['load_avg_end'][0]:.1f}; run took {r['run_s']:.0f} s"
     )
     print()
-    print("| method | connections | median s | min s | max s | MB/s @median | link limit MB/s | / limit |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| method | connections | median s | min s | max s | MB/s @median | link limit MB/s | / limit "
+        "| CPU s: client / proxy / server |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for m in (*UP, *DOWN, *DIRECT):
         v = times[m]
         label = LABELS[m].format(dcp=args.dcp_threads)
         lim = f"{limit[m]:.0f}" if m in limit else ""
         ratio = f"{mbps[m] / limit[m]:.2f}" if m in limit else ""
         timing = [f"{med[m]:.2f}", f"{min(v):.2f}", f"{max(v):.2f}", f"{mbps[m]:.1f}"]
-        cells = [label, conns.get(m, ""), *timing, lim, ratio]
+        cpu = " / ".join(f"{statistics.median(c[i] for c in r['cpu'][m]):.1f}" for i in range(3))
+        cells = [label, conns.get(m, ""), *timing, lim, ratio, cpu]
         print("| " + " | ".join(map(str, cells)) + " |")
     print()
     up, dn = ceiling["up"], ceiling["dn"]

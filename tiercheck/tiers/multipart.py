@@ -47,7 +47,10 @@ T = TypeVar("T")
 logger = logging.getLogger("tiercheck")
 
 MiB = 1 << 20
-MIN_READ_PIECE = 1 * MiB  # smaller ranged reads cost more in requests than they gain
+MIN_PART = 1 * MiB  # smaller parts cost more in requests than they gain
+# Ranged reads: S3 advises 8-16 MB; 4 MiB keeps a 32 MiB read on 8 connections, and the
+# bytes fetched ahead keep them busy when the reads are small.
+MIN_READ_PIECE = 4 * MiB
 
 
 class Call(Protocol):
@@ -96,7 +99,7 @@ def part_size_for(nbytes: int, block_size: int, concurrency: int, limits: StoreL
     """
     if nbytes < 0 or block_size < 1 or concurrency < 1:
         raise ValueError(f"invalid part plan: nbytes={nbytes}, block_size={block_size}, concurrency={concurrency}")
-    floor = max(limits.min_part, MIN_READ_PIECE)
+    floor = max(limits.min_part, MIN_PART)
     size = max(floor, min(block_size, -(-nbytes // concurrency)))
     size = max(size, -(-nbytes // limits.max_parts))
     size = -(-size // MiB) * MiB
@@ -515,19 +518,18 @@ class _Piece:
 class RangeReader:
     """Positional reads of one object, with up to `concurrency` ranged reads in flight.
 
-    A read is split into pieces of at least 1 MiB fetched concurrently and copied into the
-    destination as they arrive. Meanwhile the bytes after it (as many as it asked for, 1 MiB
-    to 32 MiB) are fetched too, queued behind its own pieces, so that a reader going through
-    the file in order (restore, a zstd stream) finds them there: the connections never sit
-    idle waiting for the slowest piece of a read, and a run of small reads costs one request.
-    A read elsewhere drops what was fetched ahead. Memory: the pieces of one read in flight
-    plus the bytes fetched ahead, at most 64 MiB with restore's 32 MiB reads.
+    A read is split into pieces of at least 4 MiB fetched concurrently and copied into the
+    destination as they arrive. Meanwhile the bytes after it (as many as it asked for, at
+    least 4 MiB per connection, at most 32 MiB) are fetched too, queued behind its own
+    pieces, so that a reader going through the file in order (restore, a zstd stream) finds
+    them there: the connections never sit idle waiting for the slowest piece of a read, and
+    a run of small reads costs one request. A read elsewhere drops what was fetched ahead.
+    Memory: the pieces of one read in flight plus the bytes fetched ahead, at most 64 MiB.
 
     One reader thread at a time; `close()` stops the fetches (each ends within its attempt's
     deadline) without waiting for them.
     """
 
-    AHEAD_MIN = 1 * MiB
     AHEAD_MAX = 32 * MiB
 
     def __init__(self, fetch: Callable[[int, int], bytes], size: int, concurrency: int, call: Call, what: str) -> None:
@@ -584,7 +586,8 @@ class RangeReader:
             keep.insert(0, use[-1])
         pieces = use + self._submit(covered, end)
         ahead_from = keep[-1].end if keep else max(end, covered)
-        want = min(max(dest.nbytes, self.AHEAD_MIN), self.AHEAD_MAX)
+        # as much as this read, and enough for every connection to have a piece or two
+        want = min(max(dest.nbytes, self._concurrency * MIN_READ_PIECE), self.AHEAD_MAX)
         if ahead_from - end < want // 2:  # refill in large requests, not a sliver per small read
             keep += self._submit(ahead_from, min(self._size, end + want))
         self._ahead = keep

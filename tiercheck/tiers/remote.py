@@ -88,6 +88,8 @@ class RemoteTier(Tier):
         self.compression_level = compression_level
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        if block_size < 1 << 20:
+            raise ValueError(f"block_size must be at least 1 MiB, got {block_size}")
         opts = dict(storage_options or {})
         opts.setdefault("skip_instance_cache", True)
         if url.startswith(("s3://", "s3a://")):  # botocore's pool (10) must not queue the parts
