@@ -11,6 +11,7 @@ from .errors import (
     SnapshotChangedError,
     StateMismatchError,
     StepConflictError,
+    StepInFlightError,
     TiercheckError,
     TierError,
     UnsupportedStateError,
@@ -18,7 +19,8 @@ from .errors import (
 )
 from .events import SaveStats
 from .handle import DrainReport, SaveHandle, WaitTimeoutError
-from .retention import KeepAll, KeepEvery, KeepLast, RetentionPolicy
+from .retention import KeepAll, KeepBest, KeepEvery, KeepLast, RetentionPolicy
+from .schedule import Every, SavePolicy
 
 __version__ = "0.1.0"
 
@@ -27,16 +29,20 @@ __all__ = [
     "Checkpointer",
     "CoordinationError",
     "DrainReport",
+    "Every",
     "KeepAll",
+    "KeepBest",
     "KeepEvery",
     "KeepLast",
     "NoCheckpointError",
     "RetentionPolicy",
     "SaveHandle",
+    "SavePolicy",
     "SaveStats",
     "SnapshotChangedError",
     "StateMismatchError",
     "StepConflictError",
+    "StepInFlightError",
     "TierError",
     "TiercheckError",
     "UnsupportedStateError",

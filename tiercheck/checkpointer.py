@@ -16,9 +16,12 @@ from typing import Any
 import torch
 
 from .checksum import ALGORITHMS
-from .coordination import Group, from_process_group, join_group
+from .coordination import Group, SaveRequests, from_process_group, join_group
 from .errors import (
+    CheckpointCorruptedError,
+    NoCheckpointError,
     StepConflictError,
+    StepInFlightError,
     TiercheckError,
     TierError,
     UnsupportedStateError,
@@ -27,17 +30,20 @@ from .events import logger
 from .handle import DrainReport, SaveHandle, WaitTimeoutError
 from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
-from .restore import restore_collective, restore_from
+from .restore import read_marker, restore_collective, restore_from
 from .retarget import Key, balance
 from .retention import RetentionPolicy, as_policy
 from .retry import RetryPolicy
+from .schedule import SavePolicy
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
-from .state import FlatState, flatten_state
+from .state import FlatState, flatten_state, metric_values
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
 
 __all__ = ["Checkpointer"]
+
+_DEFAULT_GRACE_S = 30.0  # drain time after a preemption save on a rank without a SIGTERM handler
 
 
 class Checkpointer:
@@ -111,6 +117,10 @@ class Checkpointer:
         coordination_timeout: seconds a rank waits for the others at one point of a save or
             a restore before it gives up (the save then fails with a TierError; nothing
             hangs forever when a rank dies).
+        interval: when `should_save`/`maybe_save` say a save is due: a `SavePolicy` such as
+            ``Every(steps=500) | Every(seconds=1800)`` (None: only after a preemption signal,
+            see `install_sigterm_handler`). In a job, the time-based part follows rank 0's
+            clock and every rank saves at the same step.
 
     Raises:
         ValueError: no tier given, or an invalid option.
@@ -151,6 +161,7 @@ class Checkpointer:
         replicated: bool | Iterable[str | int] = False,
         replicated_writer: int | str = "balance",
         coordination_timeout: float = 600.0,
+        interval: SavePolicy | None = None,
     ) -> None:
         if local is None and remote is None:
             raise ValueError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
@@ -159,6 +170,15 @@ class Checkpointer:
         rank, world_size, store = _job_place(rank, world_size, store)
         if not (isinstance(coordination_timeout, (int, float)) and coordination_timeout > 0):
             raise ValueError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
+        if interval is not None and not isinstance(interval, SavePolicy):
+            raise TypeError(f"interval must be a save policy such as tiercheck.Every(steps=500), got {interval!r}")
+        self._interval = interval
+        self._last_save_time = time.monotonic()
+        self._last_saved: int | None = None
+        self._asked: tuple[int, bool] | None = None  # the last should_save (step, answer)
+        self._preempt_pending = False  # single rank: a SIGTERM asked for a save
+        self._preempted = False
+        self._sigterm: _SigtermState | None = None
         self._replicated = _replicated_keys(replicated)
         if not (
             replicated_writer == "balance" or (type(replicated_writer) is int and 0 <= replicated_writer < world_size)
@@ -208,6 +228,7 @@ class Checkpointer:
         self._pipeline = Pipeline(
             self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority, self._group
         )
+        self._requests = None if self._group is None else SaveRequests(self._group.coord)
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
         self._finalizer = weakref.finalize(self, _finalize, self._pipeline, self._pool, str(local or remote))
@@ -328,7 +349,14 @@ class Checkpointer:
             plan = self._plans[sig] = plan_shard(flat.leaves)
         return plan
 
-    def save(self, step: int, state: Mapping[Any, Any], *, overlap: bool | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        state: Mapping[Any, Any],
+        *,
+        overlap: bool | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
         """Snapshot `state` as `step` and return once it is copied into host memory.
 
         The caller may modify every tensor in `state` as soon as this returns; the saved
@@ -352,8 +380,15 @@ class Checkpointer:
         committed steps after the restored one (the abandoned branch) are deleted first, so
         that a later restore can never pick them up.
 
+        ``metrics={"val_loss": 0.31, "epoch": 3}`` records numbers with the step, in its
+        commit marker: `metrics(step)` and ``tiercheck ls`` read them without loading any
+        tensor, and `KeepBest` retention ranks steps by them. Values are ints or floats
+        (NaN, infinities and -0.0 kept exactly) or one-element real tensors/numpy values
+        (read with ``.item()``, exactly). In a job, rank 0's metrics are recorded.
+
         Raises:
-            UnsupportedStateError: a value that cannot be stored; names its key path.
+            UnsupportedStateError: a value that cannot be stored; names its key path
+                (or a metric that is not a number; names the metric).
             StepConflictError: `step` is not newer than the existing or pending steps.
             TierError: an earlier background save failed (raised once).
         """
@@ -365,10 +400,13 @@ class Checkpointer:
             submitted = False  # from then on the pipeline reports this step's fate to the other ranks
             try:
                 self._raise_background_errors()
+                recorded = metric_values(metrics)
                 flat, replicated, remote_owners = self._flatten(state)
                 self._claim_step(step)
                 plan = self._plan_for(flat)
-                handle = SaveHandle(step, [t.name for t in self._tiers], self._pipeline.error_seen)
+                handle = SaveHandle(
+                    step, [t.name for t in self._tiers], self._pipeline.error_seen, self._pipeline.call_soon
+                )
                 stats = handle.stats
                 allocations = self._pool.allocations
                 t1 = time.perf_counter()
@@ -398,6 +436,7 @@ class Checkpointer:
                     progress=None if overlapped else StageProgress(),
                     replicated=replicated,
                     remote_owners=remote_owners,
+                    metrics=recorded,
                 )
                 if overlapped:
                     try:
@@ -431,7 +470,147 @@ class Checkpointer:
             stats.stage_s = t3 - t2
             stats.stall_s = t3 - t0
             self._latest_known = step
+            self._last_saved = step
+            self._last_save_time = time.monotonic()
             return handle
+
+    # -- when to save ----------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at `step`: the `interval` policy says so, or a preemption signal
+        asked for a fresh snapshot (`install_sigterm_handler(fresh=True)`).
+
+        Call it once per step (asking again for the same step gives the same answer), with
+        the same steps on every rank of a job: every rank then gets the same answer. Steps
+        decide alone; the clock (``Every(seconds=)``) is rank 0's, and a save that rank 0's
+        clock or a signal on any rank asks for happens on every rank at the first step of
+        theirs after every rank has seen the request (one store call per step; the step the
+        request is first seen on is not waited at, so this never deadlocks with a training
+        loop's own collectives). Alone, a signal makes the very next call true.
+
+        Raises:
+            CoordinationError: another rank did not see a save request within
+                `coordination_timeout` (it stopped calling `should_save`).
+        """
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._asked is not None and self._asked[0] == step:
+            return self._asked[1]
+        policy = self._interval
+        due = policy is not None and policy.due_by_step(step, self._last_saved)
+        clock_due = policy is not None and policy.due_by_clock(time.monotonic() - self._last_save_time)
+        requests = self._requests
+        if requests is None:
+            due = due or clock_due or self._preempt_pending
+            if self._preempt_pending:
+                self._preempt_pending = False
+                self._preempted = True
+        else:
+            if clock_due and self.rank == 0 and not requests.requested:
+                requests.request("interval")
+            if self._preempt_pending:
+                self._preempt_pending = False
+                requests.request("preempt")
+            agreed = requests.poll(step)
+            if agreed is not None:
+                due = True
+                self._preempted = self._preempted or "preempt" in agreed
+        self._asked = (step, due)
+        return due
+
+    def maybe_save(self, step: int, state: Mapping[Any, Any], **kwargs: Any) -> SaveHandle | None:
+        """`save(step, state, **kwargs)` if `should_save(step)`, else None.
+
+        After a preemption signal (`install_sigterm_handler(fresh=True)`), the save it asked
+        for is drained (tier 1 first, then tier 2, within what is left of the grace period),
+        and on the rank that received the signal, the signal then does what it did before
+        the handler was installed (the default: terminate the process).
+
+        Example:
+            >>> ckpt = tiercheck.Checkpointer("ckpt", interval=tiercheck.Every(steps=500))  # doctest: +SKIP
+            >>> for step in range(start, n_steps):                                          # doctest: +SKIP
+            ...     train_step()
+            ...     ckpt.maybe_save(step, state)
+            ...     if ckpt.preempted:
+            ...         break
+        """
+        preempted_before = self._preempted
+        if not self.should_save(step):
+            return None
+        handle = self.save(step, state, **kwargs)
+        if self._preempted and not preempted_before:
+            self._finish_preemption()
+        return handle
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption save was agreed (on every rank of a job, whichever rank
+        received the signal): a training loop may stop after that save."""
+        return self._preempted
+
+    def _finish_preemption(self) -> None:
+        sig = self._sigterm
+        if sig is None:  # a rank without the handler, saving for another rank's signal
+            grace = _DEFAULT_GRACE_S
+        elif sig.received:
+            grace = max(0.0, sig.deadline - time.monotonic())
+        else:
+            grace = sig.grace_s
+        report = self.drain(grace)
+        logger.warning("tiercheck: preemption snapshot drained: %s", report)
+        if sig is not None and sig.received:
+            sig.deliver()
+
+    # -- deleting and reading metadata -------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Delete committed `step` from every tier: on each, the commit marker first, so a
+        crash midway leaves the step invisible, never half there.
+
+        The newest committed step may be deleted too (`latest_step()` is then the one
+        before it); a step still being written or uploaded is refused. In a job, call it on
+        every rank: one rank per directory deletes.
+
+        Raises:
+            StepInFlightError: `step` is still being written or uploaded (wait for it first).
+            NoCheckpointError: `step` is not committed on any tier.
+            TierError: a tier failed to delete it (the other tiers were still tried).
+        """
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        with self._lock:
+            self._check_open()
+            holders = [t for t in self._tiers if step in t.committed_steps()]
+            if not holders:
+                if step in self._pipeline.in_flight():
+                    raise StepInFlightError(f"cannot delete step {step}: it is still being written", step=step)
+                where = ", ".join(f"{t.name}={t.location}" for t in self._tiers)
+                raise NoCheckpointError(f"step {step} is not committed on any tier ({where})")
+            mine = [t for t in holders if self._group is None or self._group.leads(t.name)]
+            self._pipeline.delete_step(step, mine)
+            if self._latest_known == step:
+                self._latest_known = None  # re-derived from the tiers at the next save
+
+    def metrics(self, step: int) -> dict[str, int | float]:
+        """The metrics recorded with committed `step` (`save(..., metrics=)`), read from its
+        commit marker only (no tensor is loaded); {} if none were recorded.
+
+        Raises:
+            NoCheckpointError: `step` is not committed on any tier.
+            CheckpointCorruptedError: its marker fails verification on every tier holding it.
+        """
+        errors: list[str] = []
+        for tier in self._tiers:
+            try:
+                return dict(read_marker(tier, step).metrics)
+            except NoCheckpointError:
+                continue
+            except (CheckpointCorruptedError, OSError) as exc:
+                errors.append(f"tier {tier.name!r}: {exc}")
+        if errors:
+            raise CheckpointCorruptedError(f"cannot read the metrics of step {step}: {'; '.join(errors)}")
+        where = ", ".join(f"{t.name}={t.location}" for t in self._tiers)
+        raise NoCheckpointError(f"step {step} is not committed on any tier ({where})")
 
     def _abandon(self, step: int, exc: BaseException) -> None:
         """save() failed on this rank before the step reached the pipeline: tell the other
@@ -561,25 +740,36 @@ class Checkpointer:
         logger.warning("tiercheck drain: %s", report)
         return report
 
-    def install_sigterm_handler(self, grace_s: float = 30.0) -> None:
-        """On SIGTERM (preemption), drain for up to `grace_s` seconds, then let the signal
-        do what it did before (the previous handler, or terminate). Call from the main thread.
+    def install_sigterm_handler(self, grace_s: float = 30.0, *, fresh: bool = False) -> None:
+        """Handle SIGTERM (preemption). Call from the main thread.
 
-        The drain makes the newest snapshot already in host memory durable; to capture the
-        very latest state too, call `save()` from your own handler first.
+        By default, the handler drains for up to `grace_s` seconds (making the newest
+        snapshot already in host memory durable), then lets the signal do what it did
+        before (the previous handler, or terminate).
+
+        With ``fresh=True`` the handler only takes note: the next `should_save` is true (on
+        every rank of a job at the same step, agreed through the job's store, also when one
+        rank alone received the signal), so a fresh snapshot of the current state is taken;
+        `maybe_save` then drains it within what is left of `grace_s` and lets the signal do
+        what it did before, on the rank(s) that received it; `preempted` turns true on every
+        rank. The training loop must keep calling `should_save`/`maybe_save` for this.
         """
         previous = signal.getsignal(signal.SIGTERM)
         me = weakref.ref(self)
+        state = _SigtermState(grace_s, previous)
+        self._sigterm = state if fresh else None
 
         def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
             ckpt = me()
+            if fresh and ckpt is not None and not ckpt._closed:
+                state.received = True
+                state.frame = frame
+                state.deadline = time.monotonic() + grace_s
+                ckpt._preempt_pending = True
+                return
             if ckpt is not None and not ckpt._closed:
                 ckpt.drain(grace_s)
-            signal.signal(signal.SIGTERM, previous)
-            if callable(previous):
-                previous(signum, frame)
-            elif previous == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGTERM)
+            state.deliver(frame)
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
@@ -657,6 +847,26 @@ class Checkpointer:
             self._seen_at_restore = found.committed
             self._latest_known = None  # re-derived at the next save
             return found.step
+
+
+@dataclasses.dataclass(slots=True)
+class _SigtermState:
+    """What `install_sigterm_handler(fresh=True)` remembers between the signal and the save."""
+
+    grace_s: float
+    previous: Any  # the disposition before ours: a callable, SIG_DFL, SIG_IGN or None
+    received: bool = False
+    deadline: float = 0.0
+    frame: types.FrameType | None = None
+
+    def deliver(self, frame: types.FrameType | None = None) -> None:
+        """Let SIGTERM do what it did before the handler (main thread only)."""
+        previous = self.previous
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signal.SIGTERM, frame if frame is not None else self.frame)
+        elif previous == signal.SIG_DFL or previous is None:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _balance(keys: list[Any], nbytes: Mapping[object, int], ranks: Iterable[int]) -> dict[object, int]:
