@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -398,3 +399,71 @@ def test_keep_best_never_deletes_a_step_without_the_metric_alone() -> None:
 def test_keep_best_rejects_bad_arguments(args: tuple[Any, ...]) -> None:
     with pytest.raises(ValueError):
         KeepBest(*args)
+
+
+# ----------------------------------------------- metrics with a step, KeepBest per tier
+
+
+def test_metrics_are_stored_with_the_step_and_read_without_tensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tiercheck.__main__ import main as cli
+
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)}, metrics={"val_loss": torch.tensor(0.25), "epoch": 0})
+        ckpt.save(2, {"w": torch.ones(4)}, metrics={"val_loss": math.nan, "acc": -0.0, "n": 2**70})
+        ckpt.save(3, {"w": torch.ones(4)})
+        ckpt.wait()
+        assert ckpt.metrics(1) == {"val_loss": 0.25, "epoch": 0}
+        m2 = ckpt.metrics(2)
+        assert math.isnan(m2["val_loss"]) and math.copysign(1, m2["acc"]) == -1 and m2["n"] == 2**70
+        assert ckpt.metrics(3) == {}
+    for step in (1, 2, 3):
+        (tmp_path / layout.step_dir_name(step) / layout.shard_name(0, 1)).unlink()
+    capsys.readouterr()
+    assert cli(["ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("\tval_loss=0.25 epoch=0")
+    assert lines[1].endswith(f"\tval_loss=nan acc=-0.0 n={2**70}")
+    assert lines[2].endswith(layout.step_dir_name(3))
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [{"ok": True}, {"ok": "0.3"}, {"ok": None}, {"ok": [1.0]}, {"ok": torch.ones(2)}, {"ok": torch.tensor(1 + 1j)},
+     {3: 0.5}, {"": 0.5}, {"x" * 257: 0.5}, {"ok": torch.tensor(True)}, {"ok": np.array(["a"])}, [("a", 1.0)]],
+)  # fmt: skip
+def test_bad_metrics_are_refused_at_save(tmp_path: Path, metrics: Any) -> None:
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
+        with pytest.raises(tiercheck.UnsupportedStateError) as info:
+            ckpt.save(1, {"w": torch.ones(2)}, metrics=metrics)
+        if isinstance(metrics, dict):
+            assert repr(next(iter(metrics)))[:20] in str(info.value)
+        assert ckpt.steps() == []
+        ckpt.save(1, {"w": torch.ones(2)}, metrics={"ok": np.float16(0.5)}).wait()
+        assert ckpt.metrics(1) == {"ok": 0.5}
+
+
+def test_keep_best_retention_per_tier(tmp_path: Path) -> None:
+    losses = {1: 0.9, 2: 0.3, 3: 0.7, 4: None, 5: 0.2, 6: 0.8, 7: None, 8: 0.5}
+    remote = tmp_path / "remote"
+    with tiercheck.Checkpointer(
+        local=tmp_path / "local",
+        remote=f"file://{remote}",
+        keep_local=KeepBest(2, "val_loss") | KeepLast(1),
+        keep_remote=KeepBest(3, "val_loss"),
+        upload_backlog="all",
+    ) as ckpt:
+        for step, loss in losses.items():
+            metrics = None if loss is None else {"val_loss": loss, "step": step}
+            ckpt.save(step, {"w": torch.full((4,), float(step))}, metrics=metrics)
+            ckpt.wait()
+        # Tier 1: the two best (5, 2) and the newest; KeepLast decides the unranked 4 and 7.
+        assert ckpt.steps("local") == [2, 5, 8]
+        # Tier 2, KeepBest alone: the three best (5, 2, 8), and every step without the metric.
+        assert ckpt.steps("remote") == [2, 4, 5, 7, 8]
+    # A new session ranks the steps of the old one by the metrics in their markers.
+    with tiercheck.Checkpointer(local=tmp_path / "local", keep_local=KeepBest(1, "val_loss", mode="max")) as ckpt:
+        ckpt.save(9, {"w": torch.zeros(4)}, metrics={"val_loss": 0.1})
+        ckpt.wait()
+        assert ckpt.steps("local") == [8, 9]  # 8 is the best by "max"; 9 the newest

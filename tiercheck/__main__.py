@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import CheckpointCorruptedError, TiercheckError
-from .manifest import Manifest
+from .manifest import Manifest, Marker
 from .restore import present_manifests, read_marker, verify_files
 from .tiers.base import Tier
 from .tiers.local import LocalTier
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 entries = sum(len(m.entries) for m in manifests)
                 print(
                     f"{step}\t{_ranks(manifests, marker.world_size)}\t{entries} entries\t{size} bytes"
-                    f"\t{tier.path_of(step)}"
+                    f"\t{tier.path_of(step)}{_metrics_column(marker)}"
                 )
             except TiercheckError as exc:
                 print(f"{step}\tUNREADABLE: {exc}")
@@ -107,6 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             bad += 1
             print(f"step {step}: FAILED: {exc}")
     return 1 if bad else 0
+
+
+def _metrics_column(marker: Marker) -> str:
+    """``\tval_loss=0.31 epoch=3``: the step's recorded metrics (repr: exact), or nothing."""
+    if not marker.metrics:
+        return ""
+    return "\t" + " ".join(f"{name}={value!r}" for name, value in marker.metrics)
 
 
 def _ranks(manifests: list[Manifest], world: int) -> str:

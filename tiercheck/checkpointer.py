@@ -779,6 +779,9 @@ class Checkpointer:
         Raises:
             TierError: a background save failed since the last sync point (raised once).
         """
+        if not self._closed:
+            # First without the lock: a done callback may call delete() or metrics().
+            self._pipeline.wait_idle()
         with self._lock:
             if self._closed:
                 return
@@ -832,6 +835,7 @@ class Checkpointer:
             raise TypeError(f"restore() needs a mutable mapping as template, got {type(state).__name__}")
         if step is not None and (type(step) is not int or step < 0):
             raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+        self._pipeline.wait_idle()  # without the lock first: a done callback may call delete()
         with self._lock:
             self._check_open()
             self.wait()

@@ -156,21 +156,25 @@ class SaveHandle:
             self._dispatch(fn, t, self._errors.get(t))
 
     def _dispatch(self, fn: DoneCallback, tier: str, error: TiercheckError | None) -> None:
-        def run() -> None:
-            fn(self, tier, error)
-
+        run = self._bind(fn, tier, error)
         if self._call_soon is None:
             run()
         else:
             self._call_soon(run)
 
+    def _bind(self, fn: DoneCallback, tier: str, error: TiercheckError | None) -> Callable[[], None]:
+        def run() -> None:
+            fn(self, tier, error)
+
+        return run
+
     # -- called by the pipeline --------------------------------------------------
 
-    def _finish(self, tier: str, error: TiercheckError | None = None) -> None:
+    def _finish(self, tier: str, error: TiercheckError | None = None) -> list[Callable[[], None]]:
+        """Record the outcome on `tier`; return the done callbacks to run for it (the
+        pipeline queues them on its callback thread)."""
         with self._lock:
             if error is not None:
                 self._errors[tier] = error
             self._events[tier].set()
-            callbacks = list(self._callbacks)
-        for fn in callbacks:
-            self._dispatch(fn, tier, error)
+            return [self._bind(fn, tier, error) for fn in self._callbacks]

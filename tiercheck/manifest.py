@@ -263,16 +263,26 @@ def _metrics(doc: dict[str, Any], where: str) -> tuple[tuple[str, Metric], ...]:
         v = node["v"]
         if type(v) is not str:
             raise _fail(w, "value must be a string")
-        try:
-            if node["t"] == "int":
-                if len(v) > _MAX_INT_DIGITS or not _is_int_text(v):
-                    raise ValueError(v)
-                out.append((name, int(v)))
-            else:
-                out.append((name, float.fromhex(v)))
-        except (ValueError, OverflowError):
-            raise _fail(w, f"bad {node['t']} literal {v[:40]!r}") from None
+        value = _canonical_number(node["t"], v)
+        if value is None:
+            raise _fail(w, f"bad {node['t']} literal {v[:40]!r}")
+        out.append((name, value))
     return tuple(out)
+
+
+def _canonical_number(kind: str, text: str) -> Metric | None:
+    """The value of `text` if it is the writer's exact spelling (``str(int)``, ``float.hex()``),
+    so that one value has one text; else None."""
+    try:
+        if kind == "int":
+            if len(text) > _MAX_INT_DIGITS:
+                return None
+            i = int(text)
+            return i if str(i) == text else None
+        f = float.fromhex(text)
+    except (ValueError, OverflowError):
+        return None
+    return f if f.hex() == text else None
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:

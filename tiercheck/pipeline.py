@@ -127,8 +127,10 @@ class _Worker:
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
-    def put(self, item: object) -> None:
-        if item is not _STOP:
+    def put(self, item: object, reserved: bool = False) -> None:
+        """Queue `item`; `reserved`: its `unfinished` count was already taken (under the
+        pipeline's lock, which this then does not need)."""
+        if item is not _STOP and not reserved:
             with self._idle:
                 self.unfinished += 1
         with self.cond:
@@ -272,23 +274,35 @@ class Pipeline:
         """Wait until no step is pending and every queued item (retention, done callbacks)
         has run; from a done callback, the callbacks queued behind it are not waited for."""
         workers = [w for w in (self._stager, self._writer, self._uploader) if w is not None]
-        callbacks = self._callbacks
-        if callbacks is not None and threading.current_thread() is not callbacks.thread:
-            workers.append(callbacks)
+        me = threading.current_thread()
+
+        def idle() -> bool:
+            cb = self._callbacks  # may start while we wait
+            busy = cb is not None and cb.thread is not me and cb.unfinished > 0
+            return not self._tracks and not busy and not any(w.unfinished for w in workers)
+
         with self._idle:
-            return self._idle.wait_for(lambda: not self._tracks and not any(w.unfinished for w in workers), timeout)
+            return self._idle.wait_for(idle, timeout)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the callback thread (started now if needed); after close, right here."""
+        """Run `fn` on the callback thread (started now if needed); after close, right here.
+        Never called with the pipeline's lock held."""
         with self._lock:
-            closed = self._callbacks_stopped
-            if not closed and self._callbacks is None:
-                self._callbacks = _Worker("tiercheck-callbacks", _run_callback, self._idle)
-            worker = self._callbacks
-        if closed or worker is None:
+            worker = self._callback_worker(1)
+        if worker is None:
             _run_callback(fn)
         else:
-            worker.put(fn)
+            worker.put(fn, reserved=True)
+
+    def _callback_worker(self, n: int) -> _Worker | None:
+        """The callback thread, with `n` items counted as queued; None after close. Call with
+        the lock held."""
+        if self._callbacks_stopped:
+            return None
+        if self._callbacks is None:
+            self._callbacks = _Worker("tiercheck-callbacks", _run_callback, self._idle)
+        self._callbacks.unfinished += n
+        return self._callbacks
 
     def take_errors(self) -> list[TierError]:
         with self._lock:
@@ -336,13 +350,22 @@ class Pipeline:
                 self._errors.append(error)
             if error is None:
                 self.newest_durable[tier] = max(step, self.newest_durable.get(tier, step))
+            runs: list[Callable[[], None]] = []
             if track is not None:
-                track.handle._finish(tier, error)
+                runs = track.handle._finish(tier, error)
                 track.remaining.discard(tier)
                 if not track.remaining:
                     del self._tracks[step]
                     emit(track.handle.stats)
+            # Counted as queued before the step stops counting as pending, so that `wait()`
+            # also waits for them; queued below, outside the lock the callbacks may need.
+            callbacks = self._callback_worker(len(runs)) if runs else None
             self._idle.notify_all()
+        for run in runs:
+            if callbacks is None:
+                _run_callback(run)
+            else:
+                callbacks.put(run, reserved=True)
         if isinstance(error, TierError):
             logger.error("%s", error)
 
