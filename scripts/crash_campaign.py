@@ -20,10 +20,11 @@ After every kill, before anything else touches the tiers:
 * every step the worker reported durable on a tier is still listed there, unless
   ``keep`` newer steps are listed there (what retention may legitimately delete);
 
-then a fresh ``Checkpointer`` on both tiers removes tier-1 leftovers and ``restore()``
-returns the newest listed step, bit-exact, without skipping a damaged one; the upload it
-catches up is checked the same way; and a fresh node (tier 2 alone) restores the newest
-step listed there.
+then a fresh ``Checkpointer`` on both tiers: ``restore()`` returns the newest listed step,
+bit-exact, without skipping a damaged one, and changes nothing on either tier (a reader);
+its ``prepare()`` (a restarted job's first write) removes the tier-1 leftovers and uploads
+every tier-1 step that tier 2 lacks and would keep, each checked bit-exact; and a fresh
+node (tier 2 alone) restores the newest step listed there.
 
 Figures: kills run and per phase, torn or partial restores (must be 0), committed steps
 lost (must be 0).
@@ -58,6 +59,7 @@ from types import ModuleType
 
 import tiercheck
 from tiercheck import layout
+from tiercheck.retention import as_policy, plan_catch_up
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import RemoteTier
 
@@ -412,12 +414,23 @@ def verify(
             remote_retry_budget=5.0,
         )
         try:
+            before = sorted(os.listdir(local)) if local.is_dir() else []
+            check_restore(ckpt, expected, bool(cut), figures, f"{trial}: restore()")
+            after = sorted(os.listdir(local)) if local.is_dir() else []
+            if after != before:
+                figures.fail(f"{trial}: a Checkpointer that only restored changed tier 1: {before} -> {after}")
+            ckpt.prepare(worker.make_state(0))  # a restarted job's first write: sweep, catch up
+            ckpt.wait()
             left = sorted(n for n in (os.listdir(local) if local.is_dir() else []) if layout.is_leftover(n))
             if left:
-                figures.fail(f"{trial}: tier-1 leftovers after a fresh Checkpointer started: {left}")
-            check_restore(ckpt, expected, bool(cut), figures, f"{trial}: restore()")  # waits for the catch-up
+                figures.fail(f"{trial}: tier-1 leftovers after a fresh Checkpointer started writing: {left}")
             if remote is not None:
-                for s in RemoteTier(urls["remote"]).committed_steps():
+                now = RemoteTier(urls["remote"]).committed_steps()
+                owed = plan_catch_up(listed["local"], listed["remote"], as_policy(config.keep_remote, "keep_remote"))
+                if [s for s in owed if s not in now]:
+                    figures.committed_lost += 1
+                    figures.fail(f"{trial}: the catch-up left tier-1 steps {owed} off tier 2, which lists {now}")
+                for s in now:
                     if s not in listed["remote"]:  # uploaded by the catch-up just now
                         figures.steps_checked["remote"] += 1
                         why = load_problem(urls["remote"], s)

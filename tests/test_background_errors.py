@@ -198,7 +198,9 @@ def test_disk_full_is_a_tier_error_and_earlier_steps_survive(make_ckpt, tiny_fs)
 
 
 def test_leftover_temp_and_trash_dirs_are_removed_at_start(make_ckpt, ckpt_dir, dir_snapshot):
-    make_ckpt().save(1, small(1)).wait()
+    first = make_ckpt()
+    first.save(1, small(1)).wait()
+    first.close()
     tmp = ckpt_dir / f"{layout.TMP_PREFIX}{layout.step_dir_name(5)}-r00000-0123456789abcdef"
     trash = ckpt_dir / f"{layout.TRASH_PREFIX}{layout.step_dir_name(3)}-fedcba9876543210"
     generated = ckpt_dir / layout.tmp_dir_name(7, 0)
@@ -217,6 +219,9 @@ def test_leftover_temp_and_trash_dirs_are_removed_at_start(make_ckpt, ckpt_dir, 
     }
 
     fresh = make_ckpt()
+    assert fresh.steps() == [1]
+    assert tmp.exists() and trash.exists() and generated.exists()  # reading sweeps nothing
+    fresh.prepare(small(2))  # becoming the writer does
 
     assert not tmp.exists()
     assert not trash.exists()

@@ -215,6 +215,9 @@ def test_crash_leftovers_are_removed_and_unrelated_dirs_kept(tmp_path: Path) -> 
     for d in users:
         d.mkdir()
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
+        assert ckpt.steps() == [0, 1]
+        assert tmp_dir.exists() and trash_dir.exists()  # a Checkpointer that only reads sweeps nothing
+        ckpt.prepare(worker.make_state(0))  # the writer sweeps
         assert not tmp_dir.exists()
         assert not trash_dir.exists()
         assert [d.exists() for d in users] == [True, True, True]

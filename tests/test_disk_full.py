@@ -146,8 +146,8 @@ def assert_restores(ckpt: tiercheck.Checkpointer, step: int, nbytes: int) -> Non
 
 
 def visible_entries(root: Path) -> list[str]:
-    """What a lister sees at the tier root, filesystem bookkeeping aside."""
-    return sorted(n for n in os.listdir(root) if n != "lost+found")
+    """What a lister sees at the tier root, filesystem bookkeeping (and the writer lock) aside."""
+    return sorted(n for n in os.listdir(root) if n != "lost+found" and not n.startswith(layout.LOCK_PREFIX))
 
 
 def assert_nothing_half_written(root: Path, committed: list[int]) -> None:
@@ -338,7 +338,7 @@ def test_inode_exhaustion_mid_step(tmp_path: Path) -> None:
         root = mnt  # the tier root is the mount: every inode is the step's
         ballast_dir = mnt / "ballast"
         ballast_dir.mkdir()
-        spare = os.statvfs(mnt).f_favail - 5  # leave 5: one step (4 inodes), then 1
+        spare = os.statvfs(mnt).f_favail - 6  # leave 6: the writer lock, one step (4 inodes), then 1
         for i in range(spare):
             (ballast_dir / str(i)).touch()
         with tiercheck.Checkpointer(local=root, keep_local=2) as ckpt:
@@ -440,10 +440,37 @@ def test_read_only_filesystem(tmp_path: Path, remote_url: str, with_remote: bool
             assert_same(tiercheck.load(remote_url, step=2), 2, 1 * MiB)
 
 
+@pytest.mark.parametrize("remote_url", ["memory"], indirect=True)
+def test_a_first_save_where_the_writer_lock_cannot_be_created_still_goes_on(
+    tmp_path: Path, remote_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Read-only before this Checkpointer ever wrote: the lock file cannot be created. The
+    save is not refused for that (the directory is written unlocked, with a warning); tier 1
+    fails as any write would, once, and tier 2 still gets the step."""
+    with ext4(tmp_path) as mnt:
+        root = mnt / "ckpt"
+        root.mkdir()
+        remount(mnt, "ro")
+        try:
+            with tiercheck.Checkpointer(local=root, remote=remote_url, keep_local=2) as ckpt:
+                handle = ckpt.save(1, state(1, 1 * MiB))
+                with pytest.raises(tiercheck.TierError) as info:
+                    handle.wait("local")
+                assert_local_error(info.value, 1, root, errno.EROFS)
+                handle.wait("remote")
+                ckpt.wait()
+                assert ckpt.steps("remote") == [1]
+            assert any("cannot lock" in r.getMessage() for r in caplog.records)
+            assert os.listdir(root) == []
+        finally:
+            remount(mnt, "rw")
+        assert_same(tiercheck.load(remote_url, step=1), 1, 1 * MiB)
+
+
 def test_read_only_in_the_middle_of_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Remounted read-only after the shard is written: the manifest fails with EROFS, and the
     partial step cannot even be deleted. It stays invisible (no marker: never listed, never
-    restored), and the next Checkpointer on the directory removes it."""
+    restored), and the next Checkpointer that writes to the directory removes it."""
     with ext4(tmp_path) as mnt:
         root = mnt / "ckpt"
         original = LocalTier.write_file
@@ -473,4 +500,5 @@ def test_read_only_in_the_middle_of_a_step(tmp_path: Path, monkeypatch: pytest.M
             assert ckpt.steps() == [1, 3]
         with tiercheck.Checkpointer(local=root, keep_local=2) as fresh:
             assert fresh.steps() == [1, 3]
+            fresh.prepare(state(4, 1 * MiB))  # the writer sweeps
         assert_nothing_half_written(root, [1, 3])

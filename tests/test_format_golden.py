@@ -785,3 +785,11 @@ def test_schema_and_parser_reject_bad_metrics(validators: dict[str, Any], name: 
     assert _errors(validators["marker"], doc) != []
     with pytest.raises(CheckpointCorruptedError):
         decode_marker(json.dumps(doc).encode(), "x")
+
+
+def test_an_empty_metrics_object_is_not_what_writers_write(validators: dict[str, Any]) -> None:
+    doc = json.loads((METRICS_ROOT / layout.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
+    doc["metrics"] = {}
+    assert _errors(validators["marker"], doc) != []
+    with pytest.raises(CheckpointCorruptedError):
+        decode_marker(json.dumps(doc).encode(), "x")

@@ -9,6 +9,9 @@ Each test crafts step 2 over a good step 1 and checks that the reader
 * does not follow a path out of the step directory, even to a valid copy of the shard;
 * does not allocate what a manifest claims before checking it against the files;
 * does not recurse without bound on deep JSON, hang on a FIFO, or read /dev/zero forever;
+* does not inflate a compressed shard past its declared length, or parse a manifest into
+  many times its size in memory;
+* does not follow a symbolic link out of the step directory;
 * never unpickles anything;
 * and, asked for the newest step, skips the hostile one and restores step 1 bit-exact.
 
@@ -22,6 +25,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import threading
 import time
 import tracemalloc
@@ -39,8 +43,12 @@ from hypothesis import strategies as st
 
 import tiercheck
 from tiercheck import layout
+from tiercheck.__main__ import main as cli
 from tiercheck.checksum import checksum_function
-from tiercheck.errors import CheckpointCorruptedError, NoCheckpointError
+from tiercheck.errors import CheckpointCorruptedError, NoCheckpointError, TierError
+from tiercheck.manifest import MAX_MANIFEST_BYTES, Manifest, ShardFile, build_entries, decode_manifest, encode_manifest
+from tiercheck.planner import plan_shard
+from tiercheck.state import JsonNode, flatten_state
 
 SHARD = layout.shard_name(0, 1)
 MANIFEST = layout.manifest_name(0, 1)
@@ -288,8 +296,9 @@ def test_a_huge_compressed_claim_fails_cleanly(crafted: Crafted) -> None:
     assert time.monotonic() - t0 < 5
 
 
-def test_a_marker_claiming_a_huge_manifest_allocates_no_more_than_the_file(crafted: Crafted) -> None:
-    crafted.seal(crafted.manifest, length=2**30)  # the largest the reader accepts
+@pytest.mark.parametrize("claim", [MAX_MANIFEST_BYTES, MAX_MANIFEST_BYTES + 1, 2**40])
+def test_a_marker_claiming_a_huge_manifest_allocates_no_more_than_the_file(crafted: Crafted, claim: int) -> None:
+    crafted.seal(crafted.manifest, length=claim)  # the largest the reader accepts, and more
     tracemalloc.start()
     try:
         with pytest.raises(CheckpointCorruptedError):
@@ -314,7 +323,7 @@ def address_space_limit(headroom: int) -> Iterator[None]:
 
 
 def test_a_marker_claiming_a_huge_manifest_under_a_memory_limit(crafted: Crafted) -> None:
-    crafted.seal(crafted.manifest, length=2**30)
+    crafted.seal(crafted.manifest, length=MAX_MANIFEST_BYTES)
     with address_space_limit(512 << 20):
         with pytest.raises(CheckpointCorruptedError):
             tiercheck.load(crafted.root, step=2)
@@ -322,6 +331,290 @@ def test_a_marker_claiming_a_huge_manifest_under_a_memory_limit(crafted: Crafted
             warnings.simplefilter("ignore")
             got = tiercheck.load(crafted.root)
     assert_is_step(got, 1)
+
+
+# ------------------------------------------------- compressed shards: zstd bombs
+
+
+def _zstd_frame(*parts: bytes | int) -> bytes:
+    """One zstd frame, streamed as the remote tier writes it, of `parts` in order: bytes as
+    given, an int n as n zero bytes (a few bytes of zstd per 128 KiB of zeros)."""
+    import zstandard
+
+    cobj = zstandard.ZstdCompressor(level=1).compressobj()
+    out = []
+    for part in parts:
+        if isinstance(part, int):
+            zeros = bytes(min(part, 8 << 20))
+            for pos in range(0, part, len(zeros)):
+                out.append(cobj.compress(zeros if part - pos >= len(zeros) else zeros[: part - pos]))
+        else:
+            out.append(cobj.compress(part))
+    out.append(cobj.flush())
+    return b"".join(out)
+
+
+def _store_compressed(c: Crafted, stored: bytes) -> None:
+    """Step 2's shard replaced by `stored`, declared zstd (the declared length unchanged)."""
+    (c.dir / SHARD).write_bytes(stored)
+    doc = c.doc()
+    doc["files"][0].update(codec="zstd", stored_length=len(stored))
+    c.seal(doc)
+
+
+def _verify_step_2(c: Crafted, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli(["verify", str(c.root), "--step", "2"])
+    return rc, capsys.readouterr().out
+
+
+def test_a_compressed_shard_of_several_frames_reads_back(crafted: Crafted, capsys: pytest.CaptureFixture[str]) -> None:
+    """The format allows one or more frames that decompress to exactly the declared length."""
+    half = len(crafted.shard) // 2 + 100
+    _store_compressed(crafted, _zstd_frame(crafted.shard[:half]) + _zstd_frame(crafted.shard[half:]))
+    assert_is_step(tiercheck.load(crafted.root, step=2), 2)
+    assert _verify_step_2(crafted, capsys) == (0, "step 2: ok (1 rank)\n")
+
+
+BAD_STREAMS: dict[str, Callable[[bytes], bytes]] = {
+    "512MiB-past-the-end": lambda shard: _zstd_frame(shard, 512 << 20),
+    "one-byte-past-the-end": lambda shard: _zstd_frame(shard, b"\1"),
+    "one-byte-short": lambda shard: _zstd_frame(shard[:-1]),
+    "junk-after-the-frame": lambda shard: _zstd_frame(shard) + b"junk",
+    "a-second-frame-past-the-end": lambda shard: _zstd_frame(shard) + _zstd_frame(b"\1"),
+}
+
+
+@pytest.mark.parametrize("stream", list(BAD_STREAMS))
+def test_a_compressed_shard_that_is_not_its_declared_length_is_corruption(
+    crafted: Crafted, capsys: pytest.CaptureFixture[str], stream: str
+) -> None:
+    """Every entry's bytes are intact, but the shard does not decompress to exactly the
+    declared length: the step is refused, not read as if it did."""
+    _store_compressed(crafted, BAD_STREAMS[stream](crafted.shard))
+    rc, out = _verify_step_2(crafted, capsys)
+    assert rc == 1 and "step 2: FAILED" in out and SHARD in out, out
+    assert_rejected_everywhere(crafted)
+
+
+def test_a_decompression_bomb_is_read_in_bounded_memory(crafted: Crafted, capsys: pytest.CaptureFixture[str]) -> None:
+    """16 KiB on disk that inflate to 512 MiB: the reader never holds more than a fixed
+    buffer of decompressed bytes beyond the declared length (16 KiB here)."""
+    bomb = _zstd_frame(crafted.shard, 512 << 20)
+    assert len(bomb) < 32 << 10
+    _store_compressed(crafted, bomb)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptedError, match="more than"):
+            tiercheck.load(crafted.root, step=2)
+        peak_load = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        rc, out = _verify_step_2(crafted, capsys)
+        peak_verify = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rc == 1 and "more than" in out, out
+    assert peak_load < 4 << 20, f"load: {peak_load >> 20} MiB allocated for a {len(bomb)}-byte shard"
+    assert peak_verify < 4 << 20, f"verify: {peak_verify >> 20} MiB allocated for a {len(bomb)}-byte shard"
+
+
+# ------------------------------------------------------ links out of the step dir
+
+
+@pytest.mark.parametrize("name", [SHARD, MANIFEST, COMMIT, "the step directory"])
+def test_a_symlink_to_a_valid_copy_outside_is_refused(
+    crafted: Crafted, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A link to a valid copy of the file (or of the whole step) outside the tier: following
+    it would read bytes from outside the step directory, so the reader refuses it."""
+    outside = tmp_path / "outside"
+    if name == "the step directory":
+        shutil.copytree(crafted.dir, outside)
+        shutil.rmtree(crafted.dir)
+        crafted.dir.symlink_to(outside, target_is_directory=True)
+    else:
+        shutil.copyfile(crafted.dir / name, outside)
+        (crafted.dir / name).unlink()
+        (crafted.dir / name).symlink_to(outside)
+    rc, out = _verify_step_2(crafted, capsys)
+    assert rc == 1 and "step 2: FAILED" in out and "symbolic link" in out, out
+    with pytest.raises(CheckpointCorruptedError, match="symbolic link"):
+        tiercheck.load(crafted.root, step=2)
+    assert_rejected_everywhere(crafted)
+    remote = tmp_path / "remote"  # nor does the upload of step 2 (a writer's catch-up at start) copy it
+    ckpt = tiercheck.Checkpointer(local=crafted.root, remote=f"file://{remote}", keep_local=None)
+    with ckpt, pytest.raises(TierError, match="symbolic link") as err:
+        ckpt.prepare({"x": torch.zeros(1)})  # a writer now: it catches tier 2 up
+        ckpt.wait()
+    assert (err.value.step, err.value.tier) == (2, "remote")
+    assert not (remote / layout.step_dir_name(2)).exists()
+
+
+def test_a_symlink_inside_the_step_dir_is_refused_too(crafted: Crafted) -> None:
+    """Not only links that leave the directory: the reader follows no link at all."""
+    (crafted.dir / SHARD).rename(crafted.dir / "copy")
+    (crafted.dir / SHARD).symlink_to("copy")
+    with pytest.raises(CheckpointCorruptedError, match="symbolic link"):
+        tiercheck.load(crafted.root, step=2)
+
+
+def test_a_root_reached_through_a_symlink_still_reads(crafted: Crafted, tmp_path: Path) -> None:
+    """The tier's root itself is the user's choice of path and may be a link."""
+    link = tmp_path / "link-to-root"
+    link.symlink_to(crafted.root, target_is_directory=True)
+    assert_is_step(tiercheck.load(link, step=2), 2)
+
+
+# ------------------------------------------- a manifest damaged before its upload
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_an_upload_never_re_signs_a_manifest_damaged_on_tier1(
+    crafted: Crafted, tmp_path: Path, compression: str | None
+) -> None:
+    """Step 2's manifest changes on tier 1 after its commit, in a plain value that no shard
+    checksum covers. An upload that rewrites the manifest for tier 2 (here: compression)
+    must not seal the damaged copy with a fresh, valid marker there."""
+    damaged = crafted.manifest.replace(b'"v":"s2"', b'"v":"s9"')
+    assert damaged != crafted.manifest and json.loads(damaged)  # still a well-formed manifest
+    (crafted.dir / MANIFEST).write_bytes(damaged)
+    remote = tmp_path / "remote"
+    url = f"file://{remote}"
+    # A writer starts by uploading step 2, committed on tier 1 but not on tier 2.
+    ckpt = tiercheck.Checkpointer(local=crafted.root, remote=url, keep_local=None, remote_compression=compression)
+    with ckpt, pytest.raises(TierError) as err:
+        ckpt.prepare({"x": torch.zeros(1)})
+        ckpt.wait()
+    assert (err.value.step, err.value.tier) == (2, "remote")
+    assert str(crafted.dir / MANIFEST) in str(err.value) and "commit marker" in str(err.value)
+    assert not (remote / layout.step_dir_name(2)).exists()
+    with pytest.raises(NoCheckpointError):  # step 1, intact, was caught up; step 2 never
+        tiercheck.load(url, step=2)
+
+
+# ------------------------------------------------------------- manifest parse cost
+
+
+def _model_manifest(layers: int) -> bytes:
+    """A writer's manifest of a transformer's weights and Adam state (each tensor a view of one
+    element, so no bytes are allocated), as `Checkpointer` builds it."""
+    names = [
+        (f"model.layers.{i}.{m}", shape)
+        for i in range(layers)
+        for m, shape in [
+            *((f"self_attn.{p}_proj.weight", (4096, 4096)) for p in "qkvo"),
+            *((f"mlp.{p}_proj.weight", (4096, 11008)) for p in ("gate", "up", "down")),
+            ("input_layernorm.weight", (4096,)),
+            ("post_attention_layernorm.weight", (4096,)),
+        ]
+    ]
+    big = {shape: torch.zeros(1) for _, shape in names}
+    state = {
+        "model": {name: big[shape].expand(shape) for name, shape in names},
+        "optimizer": {
+            "state": {
+                i: {"step": torch.zeros(()), "exp_avg": big[s].expand(s), "exp_avg_sq": big[s].expand(s)}
+                for i, (_, s) in enumerate(names)
+            },
+            "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "params": list(range(len(names)))}],
+        },
+        "step": 7,
+    }
+    flat = flatten_state(state)
+    plan = plan_shard(flat.leaves)
+    entries = build_entries(flat.leaves, plan.offsets, ["0123abcd"] * len(flat.leaves), SHARD)
+    return encode_manifest(Manifest(2, 0, 1, "crc32c", (ShardFile(SHARD, plan.total_bytes),), entries, flat.tree))
+
+
+def _tree_manifest(items: list[JsonNode], keys: list[list[str]] | None = None) -> bytes:
+    """A manifest without entries whose tree holds `items` as one list (or as a dict's values)."""
+    value: JsonNode = {"t": "list", "v": items} if keys is None else {"t": "dict", "k": keys, "v": items}
+    return encode_manifest(Manifest(2, 0, 1, "crc32c", (), (), {"t": "dict", "k": [["s", "x"]], "v": [value]}))
+
+
+PARSED_SHAPES: dict[str, Callable[[], bytes]] = {
+    "a model and its Adam state": lambda: _model_manifest(120),
+    "a list of None": lambda: _tree_manifest([{"t": "none"}] * 60_000),
+    "a list of distinct ints": lambda: _tree_manifest([{"t": "int", "v": str(i)} for i in range(60_000)]),
+    "a list of empty lists": lambda: _tree_manifest([{"t": "list", "v": []}] * 60_000),
+    "a dict of int keys to None": lambda: _tree_manifest(
+        [{"t": "none"}] * 60_000, [["i", str(i)] for i in range(60_000)]
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", list(PARSED_SHAPES))
+def test_parsing_a_writers_manifest_allocates_a_small_multiple_of_it(shape: str) -> None:
+    """About a MiB of each shape: a model's manifest parses into about 5x its bytes (the
+    result itself), and no writer's shape into more than 12x (it was up to 20x)."""
+    data = PARSED_SHAPES[shape]()
+    assert len(data) > 700 << 10
+    tracemalloc.start()
+    try:
+        decode_manifest(data, shape)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    bound = 6 if shape == "a model and its Adam state" else 12
+    assert peak < bound * len(data), f"{peak / len(data):.1f}x the {len(data)}-byte manifest"
+
+
+def _sealed_junk(c: Crafted, unit: bytes, total: int) -> int:
+    """Step 2's manifest with an ignored field of `unit` repeated up to `total` bytes in all,
+    sealed; returns the manifest's size."""
+    doc = c.manifest
+    n = (total - len(doc)) // (len(unit) + 1)
+    data = doc.replace(b'"tree":', b'"junk":[' + b",".join([unit] * n) + b'],"tree":', 1)
+    c.seal(data)
+    return len(data)
+
+
+def test_a_manifest_of_nested_arrays_is_refused_before_parsing(crafted: Crafted) -> None:
+    """24 MiB of `[[]]` in a field readers ignore cost 35x its bytes in memory to parse; it is
+    denser in arrays than any writer's manifest, and refused before parsing."""
+    size = _sealed_junk(crafted, b"[[]]", 24 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptedError, match="denser than any writer"):
+            tiercheck.load(crafted.root, step=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * size, f"{peak / size:.1f}x the {size}-byte manifest"
+    assert_rejected_everywhere(crafted)
+
+
+@pytest.mark.parametrize("unit", [b"{}", b'{"a":0}', b'{"t":"int"}'])
+def test_objects_of_no_kind_in_a_manifest_cost_no_memory(crafted: Crafted, unit: bytes) -> None:
+    """Objects the format does not define, in a field readers ignore, are dropped as they are
+    parsed (they cost up to 25x their bytes): the step still reads, in a few times its size."""
+    size = _sealed_junk(crafted, unit, 1 << 20)
+    tracemalloc.start()
+    try:
+        got = tiercheck.load(crafted.root, step=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert_is_step(got, 2)
+    assert peak < 5 * size, f"{peak / size:.1f}x the {size}-byte manifest"
+
+
+def test_a_state_whose_manifest_is_over_the_limit_is_refused_at_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer never commits a step whose manifest no reader would accept: the save fails
+    with a TierError naming the limit, and the step is not listed. (The limit is lowered so
+    that a small state crosses it.)"""
+    import tiercheck.manifest
+
+    monkeypatch.setattr(tiercheck.manifest, "MAX_MANIFEST_BYTES", 64 << 10)
+    with tiercheck.Checkpointer(local=tmp_path / "c") as ckpt:
+        ckpt.save(1, {"small": list(range(10))}).wait()
+        handle = ckpt.save(2, {"many": list(range(10_000))})
+        with pytest.raises(TierError, match="over the format's limit") as err:
+            handle.wait()
+        assert (err.value.step, err.value.tier) == (2, "local")
+        assert ckpt.steps() == [1]
 
 
 # ------------------------------------------------------------------- deep nesting

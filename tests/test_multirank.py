@@ -144,7 +144,11 @@ def test_shared_tier1_directory_one_marker(tmp_path: Path) -> None:
         [layout.COMMIT_NAME] + [f(r, 2) for r in range(2) for f in (layout.manifest_name, layout.shard_name)]
     )
     assert committed(tmp_path / "shared") == [20, 30]
-    assert not [p for p in (tmp_path / "shared").iterdir() if p.name.startswith(".")]  # no temp left
+    # no temp left; each rank wrote under its own lock
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir() if p.name.startswith(".")) == [
+        layout.lock_name(0),
+        layout.lock_name(1),
+    ]
 
 
 def test_damaged_tier1_copy_on_one_rank_reads_tier2_and_others_keep_tier1(tmp_path: Path) -> None:
@@ -201,11 +205,13 @@ def test_rank_killed_mid_save_others_fail_within_timeout_and_previous_step_resto
     # Once the job commits again, nothing of the failed step 20 is left on any tier.
     for d in (tmp_path / "node0", tmp_path / "node1", tmp_path / "remote"):
         assert committed(d) == [10, 30]
-        # (files, as an object store sees them; file:// may keep an empty directory)
+        # (files, as an object store sees them; file:// may keep an empty directory), and
+        # the writer lock of the rank writing there (rank r writes node<r>)
+        locks = {layout.lock_name(int(d.name[4:]))} if d.name.startswith("node") else set()
         assert {p.relative_to(d).parts[0] for p in d.rglob("*") if p.is_file()} == {
             "step-000000000010",
             "step-000000000030",
-        }, d
+        } | locks, d
 
 
 def test_world_size_change_replicated_state(tmp_path: Path) -> None:
@@ -308,11 +314,17 @@ def test_newest_step_only_on_node_local_tier1_restores_from_tier1(tmp_path: Path
     # holds its own full copy on tier 1, so no rank needs tier 2 for it.
     run_job("roundtrip", 2, tmp_path)
     shutil.rmtree(tmp_path / "remote" / "step-000000000030")
-    restored, _ = run_job("restore_only", 2, tmp_path, env={"MR_KEYS": "model,optimizer,shard,rng,position"})
+    keys = {"MR_KEYS": "model,optimizer,shard,rng,position"}
+    restored, _ = run_job("restore_only", 2, tmp_path, env=keys)
     for res in restored:
         assert res is not None and res["restored_step"] == 30 and not res["warnings"], res
-    # At start-up the job agreed to upload step 30, which the earlier run never did: tier 2
-    # has it again, with one copy of the replicated keys (rank 0's), verified.
+    assert committed(tmp_path / "remote") == [10, 20]  # a job that only restores changes no tier
+    # A job that becomes the writer (prepare, or its first save) agrees to upload step 30,
+    # which the earlier run never did: tier 2 has it again, with one copy of the replicated
+    # keys (rank 0's), verified.
+    restored, _ = run_job("restore_only", 2, tmp_path, env={**keys, "MR_PREPARE": "1"})
+    for res in restored:
+        assert res is not None and res["restored_step"] == 30 and not res["warnings"], res
     assert committed(tmp_path / "remote") == [10, 20, 30]
     step_dir = tmp_path / "remote" / "step-000000000030"
     trees = [json.loads((step_dir / layout.manifest_name(r, 2)).read_text())["tree"] for r in range(2)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 import uuid
@@ -20,7 +21,7 @@ import torch
 from faulty_fs import OPS, Faults, FaultyMemoryFileSystem
 
 import tiercheck
-from tiercheck import layout
+from tiercheck import KeepEvery, KeepLast, layout
 from tiercheck.errors import UploadSkippedError
 
 SHARD = layout.shard_name(0, 1)
@@ -278,7 +279,7 @@ def test_local_step_awaiting_upload_is_not_pruned(make: Callable[..., tiercheck.
 def test_local_step_kept_until_slow_upload_finishes(
     make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
 ) -> None:
-    ckpt = make(keep_local=1)
+    ckpt = make(keep_local=1, keep_remote=1)
     faults.slow(60, ops={"write"}, path=layout.step_dir_name(1))
     h1 = ckpt.save(1, state_of(1))
     eventually(lambda: faults.events("write", under=step_path(bucket, 1)), what="step 1's upload to start")
@@ -290,7 +291,9 @@ def test_local_step_kept_until_slow_upload_finishes(
     h1.wait("remote", timeout=10)
     ckpt.wait()
     assert ckpt.steps("local") == [3]
-    assert ckpt.steps("remote") == [1, 3]  # step 2 was superseded (upload_backlog="newest")
+    # step 2 was superseded (upload_backlog="newest"), and keep_remote=1 deleted step 1 after 3
+    assert ckpt.steps("remote") == [3]
+    assert [p for p in faults.written() if layout.step_dir_name(2) in p] == []
 
 
 def _outage_then_saves(
@@ -311,7 +314,8 @@ def _outage_then_saves(
 def test_backlog_newest_uploads_only_the_newest_pending(
     make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
 ) -> None:
-    ckpt = make(keep_local=1, upload_backlog="newest", remote_retry_budget=30)
+    # keep_remote=1: tier 2 keeps only the newest step, so the older waiting ones may be skipped
+    ckpt = make(keep_local=1, keep_remote=1, upload_backlog="newest", remote_retry_budget=30)
     handles = _outage_then_saves(ckpt, faults, bucket, range(1, 6))
     faults.heal()
     handles[0].wait("remote", timeout=20)  # in progress when the outage began: retried, uploaded
@@ -321,7 +325,8 @@ def test_backlog_newest_uploads_only_the_newest_pending(
         assert h.done()
     handles[-1].wait("remote", timeout=20)
     ckpt.wait()  # skipping is policy, not an error: nothing is raised
-    assert ckpt.steps("remote") == [1, 5]
+    assert ckpt.steps("remote") == [5]
+    assert [p for p in faults.written() if layout.step_dir_name(1) in p] != []  # 1 was uploaded, then pruned
     assert ckpt.steps("local") == [5]
     fs = FaultyMemoryFileSystem(skip_instance_cache=True)
     for s in (2, 3, 4):
@@ -331,19 +336,22 @@ def test_backlog_newest_uploads_only_the_newest_pending(
 def test_backlog_newest_bounds_tier1_during_an_outage(
     make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
 ) -> None:
-    ckpt = make(keep_local=1, upload_backlog="newest", remote_retry_budget=30)
+    ckpt = make(keep_local=1, keep_remote=1, upload_backlog="newest", remote_retry_budget=30)
     _outage_then_saves(ckpt, faults, bucket, range(1, 9))
     local = ckpt.steps("local")
     faults.heal()
     ckpt.wait()
-    # keep_local=1, plus the step being uploaded and the newest waiting one (docs/remote.md)
+    # keep_local=1, plus the step being uploaded and keep_remote=1 waiting one (docs/remote.md)
     assert len(local) <= 3, local
 
 
+@pytest.mark.parametrize("backlog", ["all", "newest"])
 def test_backlog_all_uploads_every_step(
-    make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
+    make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str, backlog: str
 ) -> None:
-    ckpt = make(keep_local=1, upload_backlog="all", remote_retry_budget=30)
+    # "newest" too: keep_remote=None (the default) keeps every step on tier 2, so no step
+    # is ever superseded and none may be skipped.
+    ckpt = make(keep_local=1, upload_backlog=backlog, remote_retry_budget=30)
     handles = _outage_then_saves(ckpt, faults, bucket, range(1, 6))
     assert ckpt.steps("local") == [1, 2, 3, 4, 5]  # all wait for their upload
     faults.heal()
@@ -355,6 +363,77 @@ def test_backlog_all_uploads_every_step(
     for s in (2, 4):
         _, got = restored(ckpt, s)
         assert_state(got, s)
+
+
+def test_backlog_never_skips_a_milestone(
+    make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
+) -> None:
+    # Issue 12, item 1: uploads slower than saves. Step 10 is a tier-2 milestone (KeepEvery)
+    # and must reach tier 2 however far behind the uploads are; it used to be skipped, then
+    # pruned from tier 1, and end on no tier while wait() raised nothing.
+    ckpt = make(keep_local=2, keep_remote=KeepLast(2) | KeepEvery(10), upload_backlog="newest")
+    faults.slow(60, ops={"write"}, path=layout.step_dir_name(5))  # uploads fall behind
+    ckpt.save(5, state_of(5))
+    eventually(lambda: faults.events("write", under=step_path(bucket, 5)), what="step 5's upload to start")
+    handles = {s: ckpt.save(s, state_of(s)) for s in (10, 15, 20)}
+    for h in handles.values():
+        h.wait("local", timeout=10)
+    faults.heal()
+    ckpt.wait()
+    handles[10].wait("remote", timeout=10)  # uploaded, not skipped
+    assert ckpt.steps("remote") == [10, 15, 20]  # what KeepLast(2) | KeepEvery(10) keeps
+    assert ckpt.steps("local") == [15, 20]
+    _, got = restored(ckpt, 10)
+    assert_state(got, 10)
+
+
+def test_backlog_uploads_milestones_and_skips_only_what_tier2_would_delete(
+    make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
+) -> None:
+    # KeepEvery(10) on both tiers: milestones used to stay on tier 1 and never be uploaded.
+    ckpt = make(keep_local=KeepEvery(10), keep_remote=KeepEvery(10), upload_backlog="newest")
+    faults.slow(60, ops={"write"}, path=layout.step_dir_name(5))
+    ckpt.save(5, state_of(5))
+    eventually(lambda: faults.events("write", under=step_path(bucket, 5)), what="step 5's upload to start")
+    handles = {s: ckpt.save(s, state_of(s)) for s in (10, 15, 20)}
+    for h in handles.values():
+        h.wait("local", timeout=10)
+    faults.heal()
+    ckpt.wait()
+    handles[10].wait("remote", timeout=10)
+    with pytest.raises(UploadSkippedError):  # tier 2 would delete step 15 anyway
+        handles[15].wait("remote", timeout=10)
+    assert ckpt.steps("remote") == [10, 20]
+    assert ckpt.steps("local") == [10, 20]
+    fs = FaultyMemoryFileSystem(skip_instance_cache=True)
+    assert not fs.exists(step_path(bucket, 15))  # skipped: not even partly uploaded
+
+
+def test_a_milestone_that_cannot_be_uploaded_stays_on_tier1(
+    make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
+) -> None:
+    policy = KeepLast(1) | KeepEvery(10)
+    ckpt = make(keep_local=1, keep_remote=policy)
+    faults.fail(PermissionError, ops={"write"}, path=layout.step_dir_name(10))  # not retried
+    ckpt.save(5, state_of(5)).wait()
+    with pytest.raises(tiercheck.TierError) as raised:
+        ckpt.save(10, state_of(10)).wait(timeout=10)
+    assert (raised.value.step, raised.value.tier) == (10, "remote")
+    for s in (15, 20):
+        ckpt.save(s, state_of(s)).wait(timeout=10)  # the error was raised once, not again
+    ckpt.wait()
+    assert ckpt.steps("remote") == [20]
+    # keep_local=1, but step 10 is a tier-2 milestone without its tier-2 copy: it stays
+    assert ckpt.steps("local") == [10, 20]
+    ckpt.close()
+    faults.heal()
+    again = make(keep_local=1, keep_remote=policy)
+    again.prepare(state_of(21))  # the next writer uploads it
+    again.wait()
+    assert again.steps("remote") == [10, 20]
+    assert again.steps("local") == [20]
+    _, got = restored(again, 10)
+    assert_state(got, 10)
 
 
 def test_upload_backlog_is_validated(tmp_path: Path, mem_url: str) -> None:
@@ -754,7 +833,7 @@ def test_compressed_remote_step_copied_to_a_local_dir_is_recognised(tmp_path: Pa
         assert_state(got, 3)
 
 
-def test_catch_up_uploads_the_newest_local_step(
+def test_catch_up_runs_when_the_checkpointer_first_writes(
     make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str, tmp_path: Path
 ) -> None:
     local_only = make(remote=None)
@@ -762,9 +841,10 @@ def test_catch_up_uploads_the_newest_local_step(
         local_only.save(s, state_of(s))
     local_only.close()
     assert faults.log == []
-    both = make()
+    both = make(keep_remote=2)
+    both.prepare(state_of(4))  # becomes the writer: the catch-up upload starts
     both.wait()  # the catch-up upload runs in the background; wait() covers it
-    assert both.steps("remote") == [3]
+    assert both.steps("remote") == [2, 3]  # what keep_remote=2 would keep
     assert both.steps("local") == [1, 2, 3]
     both.close()
     step, got = restored(make(local=None))
@@ -772,10 +852,55 @@ def test_catch_up_uploads_the_newest_local_step(
     assert_state(got, 3)
     # a later start with the bucket up to date uploads nothing
     n_written = len(faults.written())
-    again = make()
+    again = make(keep_remote=2)
+    again.prepare(state_of(4))
     again.wait()
     assert len(faults.written()) == n_written
-    assert again.steps("remote") == [3]
+    assert again.steps("remote") == [2, 3]
+
+
+def test_catch_up_uploads_every_step_tier2_would_keep(
+    make: Callable[..., tiercheck.Checkpointer], faults: Faults, tmp_path: Path
+) -> None:
+    # Issue 12, item 2: a job killed with steps 10 and 11 committed on tier 1 only. The
+    # restart used to upload 11 alone; tier-1 retention then deleted 10, a tier-2 milestone.
+    policy = KeepLast(1) | KeepEvery(10)
+    first = make(keep_local=2, keep_remote=policy)
+    first.save(5, state_of(5)).wait()
+    first.close()
+    killed = make(remote=None, keep_local=None)  # what the kill left: 10, 11 on tier 1 only
+    for s in (10, 11):
+        killed.save(s, state_of(s))
+    killed.close()
+    restart = make(keep_local=2, keep_remote=policy)
+    step, got = restored(restart)
+    assert step == 11
+    restart.save(12, state_of(12)).wait(timeout=20)
+    restart.wait()
+    assert restart.steps("remote") == [10, 12]
+    assert restart.steps("local") == [11, 12]
+    _, got = restored(restart, 10)
+    assert_state(got, 10)
+
+
+def test_a_checkpointer_that_only_restores_changes_no_tier(
+    make: Callable[..., tiercheck.Checkpointer], faults: Faults, tmp_path: Path
+) -> None:
+    # An evaluation script on the directory of a job: readers never modify a tier (no
+    # catch-up upload, no retention, no sweeping), whatever its own keep_* options say.
+    local_only = make(remote=None)
+    for s in (1, 2, 3):
+        local_only.save(s, state_of(s))
+    local_only.close()
+    before = sorted(os.listdir(tmp_path / "local"))
+    reader = make(keep_local=1, keep_remote=1)
+    step, got = restored(reader)
+    assert step == 3
+    assert_state(got, 3)
+    reader.wait()
+    reader.close()
+    assert [k for k, _ in faults.log if k not in ("list", "read")] == []
+    assert sorted(os.listdir(tmp_path / "local")) == before
 
 
 def test_catch_up_survives_a_down_remote(

@@ -81,7 +81,8 @@ def test_plan_deletions_never_deletes_in_flight_or_not_yet_uploaded_steps():
 
 
 def step_dirs(root) -> list[str]:
-    return sorted(os.listdir(root))
+    """Everything in `root` but the writer lock file (which stays there for good)."""
+    return sorted(n for n in os.listdir(root) if not n.startswith(layout.LOCK_PREFIX))
 
 
 def save_steps(ckpt: tiercheck.Checkpointer, steps) -> None:
@@ -167,8 +168,7 @@ def test_deletion_hides_the_step_before_removing_data(make_ckpt, ckpt_dir, monke
     assert len(trash) == 1 and (trash[0] / layout.shard_name(0, 1)).exists()  # data still there
     assert tier.committed_steps() == [1, 3]
 
-    fresh = make_ckpt(keep_local=None)  # start-up removes the trash
-    assert not trash[0].exists()
+    fresh = make_ckpt(keep_local=None)
     assert fresh.steps() == [1, 3]
     with pytest.raises(tiercheck.NoCheckpointError):
         fresh.restore({"x": torch.zeros(8)}, step=2)
@@ -177,7 +177,9 @@ def test_deletion_hides_the_step_before_removing_data(make_ckpt, ckpt_dir, monke
     state = {"x": torch.zeros(8), "step": None}
     assert fresh.restore(state) == 3
     assert torch.equal(state["x"], torch.full((8,), 3.0))
-    save_steps(fresh, [4])
+    assert trash[0].exists()  # reading never modifies the directory
+    save_steps(fresh, [4])  # the first save makes it the writer: it removes the trash
+    assert not trash[0].exists()
     assert fresh.steps() == [1, 3, 4]
     assert tiercheck.load(ckpt_dir)["step"] == 4
 

@@ -27,7 +27,9 @@ def saved(ckpt: tiercheck.Checkpointer, steps) -> None:
 
 @pytest.mark.parametrize("step", [3, 2, 0])
 def test_saving_a_committed_or_older_step_without_restore_raises(make_ckpt, ckpt_dir, dir_snapshot, step):
-    saved(make_ckpt(), [1, 2, 3])
+    first = make_ckpt()
+    saved(first, [1, 2, 3])
+    first.close()  # one writer at a time (an unclosed one would hold the directory's lock)
     before = dir_snapshot(ckpt_dir)
     fresh = make_ckpt()  # knows nothing but what is on disk
 

@@ -19,7 +19,10 @@ shard, alter the manifest or the marker), a crash (the Checkpointer is dropped u
 then debris is left by hand as a kill would leave it: a tier-1 temp dir, a step renamed to
 trash, a half-uploaded or unmarked tier-2 step, a tier-2 deletion cut after the marker, a
 step committed on tier 1 but never uploaded), and reopening with other retention (keep 1,
-2, 3 or all on each tier), which also runs the start-up catch-up upload.
+2, 3 or all on each tier). Each (re)open then calls ``prepare()``, as a restarted job would:
+the Checkpointer becomes the writer, sweeps tier-1 leftovers and uploads every tier-1 step
+tier 2 lacks and would keep. A step whose upload failed stays on tier 1 while tier-2
+retention would keep it (the model's ``owed`` set).
 
 Examples: TIERCHECK_STATEFUL_EXAMPLES (default 30, ~25 s), steps per example:
 TIERCHECK_STATEFUL_STEPS (default 25).
@@ -49,6 +52,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import tiercheck
 from tiercheck import layout
 from tiercheck.errors import CheckpointCorruptedError, TierError
+from tiercheck.retention import as_policy, plan_catch_up, superseded
 
 HERE = Path(__file__).resolve().parent
 SHARD = layout.shard_name(0, 1)
@@ -96,6 +100,7 @@ class TwoTierMachine(RuleBasedStateMachine):
         self.bad: dict[str, set[int]] = {t: set() for t in TIERS}  # damaged committed copies
         self.next_step = 0
         self.failing: str | None = None  # the tier the next save fails on
+        self.owed: set[int] = set()  # failed uploads this session keeps on tier 1 for tier 2
         self.ckpt = self._open()
 
     def teardown(self) -> None:
@@ -107,16 +112,13 @@ class TwoTierMachine(RuleBasedStateMachine):
     # -- the real checkpointer ---------------------------------------------------------
 
     def _open(self) -> tiercheck.Checkpointer:
-        """Open a Checkpointer and apply to the model what its start-up does: the catch-up
-        upload of tier 1's newest step if tier 2 lacks it, then retention on both tiers."""
-        local_newest = max(self.on["local"], default=None)
-        remote_newest = max(self.on["remote"], default=None)
-        if local_newest is not None and (remote_newest is None or remote_newest < local_newest):
-            # Uploading a damaged tier-1 copy is a separate, known problem (see the xfail
-            # below); the corrupt rule's precondition keeps this model away from it.
-            assume(local_newest not in self.bad["local"])
-            self.on["remote"].add(local_newest)
-            self._apply_retention()
+        """Open a Checkpointer, make it the writer (`prepare`), and apply to the model what
+        that does: the catch-up upload of every tier-1 step tier 2 lacks and would keep, then
+        retention on both tiers."""
+        catch_up = plan_catch_up(self.on["local"], self.on["remote"], self._policy("remote"))
+        # Uploading a damaged tier-1 copy is refused with a TierError (see
+        # test_an_upload_never_spreads_a_damaged_tier1_copy); the model stays away from it.
+        assume(not set(catch_up) & self.bad["local"])
         ckpt = tiercheck.Checkpointer(
             local=self.local,
             remote=self.url,
@@ -126,7 +128,37 @@ class TwoTierMachine(RuleBasedStateMachine):
         )
         self._arm(ckpt)
         ckpt.wait()
+        assert ckpt.steps("remote") == sorted(self.on["remote"])  # opening alone uploads nothing
+        ckpt.prepare(small_state(0))
+        ckpt.wait()
+        self.owed = set()
+        if catch_up:
+            self.on["remote"].update(catch_up)
+            self._apply_retention()
         return ckpt
+
+    def _policy(self, tier: str) -> tiercheck.RetentionPolicy:
+        return as_policy(self.keep[tier], f"keep_{tier}")
+
+    def _settle_owed(self, listed: bool) -> bool:
+        """The failed uploads tier 1 keeps: those tier-2 retention would still keep, given
+        tier 2's listing when it just worked. True if the set changed."""
+        before = set(self.owed)
+        if self.keep["remote"] is not None:
+            others = self.on["remote"] if listed else set()
+            self.owed -= others
+            self.owed -= set(superseded(self.owed, self._policy("remote"), others))
+        return self.owed != before
+
+    def _prune_remote(self) -> None:
+        kept = keep_newest(self.on["remote"], self.keep["remote"])
+        self.on["remote"] &= kept
+        self.bad["remote"] &= kept
+
+    def _prune_local(self) -> None:
+        kept = keep_newest(self.on["local"], self.keep["local"]) | self.owed
+        self.on["local"] &= kept
+        self.bad["local"] &= kept
 
     def _arm(self, ckpt: tiercheck.Checkpointer) -> None:
         """Let the machine make one tier fail (on this checkpointer's tier objects only)."""
@@ -182,7 +214,9 @@ class TwoTierMachine(RuleBasedStateMachine):
         self.contents[step] = seed
         self.on["local"].add(step)
         self.on["remote"].add(step)
-        self._apply_retention()
+        self._prune_remote()
+        self._settle_owed(listed=True)
+        self._prune_local()
 
     @rule(seed=st.integers(1, 2**31), tier=st.sampled_from(TIERS))
     def save_with_a_failing_tier(self, seed: int, tier: str) -> None:
@@ -201,9 +235,14 @@ class TwoTierMachine(RuleBasedStateMachine):
         self.contents[step] = seed
         self.on[other].add(step)
         # Retention runs on the tier that committed the step, not on the failed one.
-        kept = keep_newest(self.on[other], self.keep[other])
-        self.on[other] &= kept
-        self.bad[other] &= kept
+        if other == "local":  # the upload failed: tier 1 keeps the step if tier 2 would
+            self.owed.add(step)
+            self._settle_owed(listed=False)
+            self._prune_local()
+        else:
+            self._prune_remote()
+            if self._settle_owed(listed=True):  # released steps leave tier 1 too
+                self._prune_local()
 
     @precondition(lambda self: bool(self._good()))
     @rule(data=st.data(), seed=st.integers(1, 2**31))
@@ -222,24 +261,25 @@ class TwoTierMachine(RuleBasedStateMachine):
             self.ckpt.save(step, small_state(seed))
         self.ckpt.wait()
         self._forget(set(newer))
+        self.owed -= set(newer)
         for s in newer:
             self.contents.pop(s, None)
         self.contents[step] = seed
         self.on["local"].add(step)
         self.on["remote"].add(step)
-        self._apply_retention()
+        self._prune_remote()
+        self._settle_owed(listed=True)
+        self._prune_local()
         self.next_step = max(self.next_step, step + 1)
 
     def _corruptible(self) -> list[tuple[str, int]]:
-        # Not tier 1's newest step while tier 2 lacks it: a start-up would upload the damaged
-        # copy (modelled separately, see test_an_upload_never_spreads_a_damaged_tier1_copy).
-        local_newest = max(self.on["local"], default=None)
-        remote_newest = max(self.on["remote"], default=-1)
+        # Not a tier-1 step tier 2 lacks: a later start-up may upload it, and refuses a damaged
+        # copy loudly (modelled separately, see test_an_upload_never_spreads_a_damaged_tier1_copy).
         return [
             (t, s)
             for t in TIERS
             for s in sorted(self.on[t] - self.bad[t])
-            if not (t == "local" and s == local_newest and s > remote_newest)
+            if not (t == "local" and s not in self.on["remote"])
         ]
 
     @precondition(lambda self: bool(self._corruptible()))
@@ -387,6 +427,7 @@ def test_an_upload_never_spreads_a_damaged_tier1_copy(tmp_path: Path) -> None:
         tiercheck.Checkpointer(local=local, remote=url, keep_local=2, keep_remote=1) as ckpt,
         contextlib.suppress(TierError),
     ):
+        ckpt.prepare(small_state(3))  # the writer's catch-up upload of step 2
         ckpt.wait()
     # A fresh node must still find a good step on tier 2.
     with tiercheck.Checkpointer(remote=url) as node:

@@ -56,7 +56,7 @@ def test_free_space_check_names_the_shortfall(tmp_path: Path, monkeypatch) -> No
     cause = info.value.__cause__
     assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
     assert "short by" in str(info.value) and "step 1" in str(info.value)
-    assert os.listdir(tmp_path) == []  # nothing was written
+    assert os.listdir(tmp_path) == [layout.lock_name(0)]  # nothing was written but the writer lock
 
 
 def test_a_failed_copy_raises_in_save_and_later_saves_work(tmp_path: Path, monkeypatch) -> None:

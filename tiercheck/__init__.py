@@ -6,7 +6,10 @@ from .api import load
 from .checkpointer import Checkpointer
 from .errors import (
     CheckpointCorruptedError,
+    ClosedError,
     CoordinationError,
+    DirectoryInUseError,
+    InvalidArgumentError,
     NoCheckpointError,
     SnapshotChangedError,
     StateMismatchError,
@@ -27,9 +30,12 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointCorruptedError",
     "Checkpointer",
+    "ClosedError",
     "CoordinationError",
+    "DirectoryInUseError",
     "DrainReport",
     "Every",
+    "InvalidArgumentError",
     "KeepAll",
     "KeepBest",
     "KeepEvery",

@@ -1,4 +1,9 @@
-"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]`` and ``tiercheck bench ...``.
+"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck --version``
+and ``tiercheck bench ...``.
+
+Exit status: 0 every step checked is intact, 1 a step is damaged, 2 nothing was checked (bad
+usage, a missing location or step, nothing committed there, an unreachable store); such an
+error is one line on stderr: ``tiercheck: <what failed>: <where>: <what to check>``.
 
 ``tiercheck bench`` runs the stall benchmark, ``benchmarks/stall.py``, which lives in the
 source checkout (it is not part of the installed package): the script is found next to the
@@ -10,15 +15,22 @@ after ``bench`` goes to the script (``tiercheck bench --help``).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
+import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from . import __version__
+from .checkpointer import _with_timeouts
 from .errors import CheckpointCorruptedError, TiercheckError
 from .manifest import Manifest, Marker
 from .restore import present_manifests, read_marker, verify_files
+from .retry import RetryPolicy
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
@@ -58,15 +70,38 @@ def run_bench(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status: 0 every step checked is intact, 1 a
+    step is damaged, 2 nothing could be checked (bad usage, the location or step is missing,
+    the store cannot be reached). Errors are one line on stderr, never a traceback."""
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["bench"]:
         return run_bench(args_in[1:])
-    ap = argparse.ArgumentParser(prog="tiercheck", description="Inspect tiercheck checkpoints; benchmark saves.")
+    ap = argparse.ArgumentParser(
+        prog="tiercheck",
+        description="Inspect tiercheck checkpoints; benchmark saves.",
+        epilog="Exit status: 0 ok, 1 a step is damaged, 2 nothing checked (usage, location or step "
+        "not found, store unreachable).",
+    )
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list committed steps with their size")
-    ls.add_argument("location")
     verify = sub.add_parser("verify", help="read every byte of a step and check its checksums")
-    verify.add_argument("location")
+    for p in (ls, verify):
+        p.add_argument("location", help="a tier root: a directory or an fsspec URL (s3://bucket/run)")
+        p.add_argument(
+            "--storage-options",
+            type=_json_object,
+            default={},
+            metavar="JSON",
+            help='fsspec options for a URL, e.g. \'{"endpoint_url": "http://minio:9000"}\'',
+        )
+        p.add_argument(
+            "--timeout",
+            type=float,
+            default=10.0,
+            metavar="S",
+            help="give up on an unreachable store after S seconds of retries (default 10)",
+        )
     verify.add_argument("--step", type=int, default=None, help="default: every committed step")
     sub.add_parser(
         "bench",
@@ -75,10 +110,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_help=False,
     )
     args = ap.parse_args(args_in)
-    loc = args.location
-    tier: Tier = RemoteTier(loc) if "://" in loc else LocalTier(loc)
-    steps = tier.committed_steps()
+    log = logging.getLogger("tiercheck")
+    level = log.level
+    log.setLevel(logging.ERROR)  # retry warnings would bury the one line an error gets
+    try:
+        return _run(args)
+    except _Failed as failed:
+        print(f"tiercheck: {failed}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the store or disk failed mid-way: nothing more was checked
+        what = _one_line(f"{type(exc).__name__}: {exc}")
+        print(f"tiercheck: {args.cmd} stopped ({what}): {args.location}: check the store and retry", file=sys.stderr)
+        return 2
+    finally:
+        log.setLevel(level)
+
+
+class _Failed(Exception):
+    """What the CLI could not do, as one line: what failed, where, what to check."""
+
+    def __init__(self, what: str, where: str, check: str) -> None:
+        super().__init__(f"{what}: {where}: {check}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    loc: str = args.location
+    tier = _open_tier(loc, args.storage_options, args.timeout)
+    steps = _committed(tier, loc)
     if args.cmd == "ls":
+        bad = 0
         for step in steps:
             try:
                 marker = read_marker(tier, step)
@@ -90,8 +150,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"\t{tier.path_of(step)}{_metrics_column(marker)}"
                 )
             except TiercheckError as exc:
+                bad += 1
                 print(f"{step}\tUNREADABLE: {exc}")
-        return 0
+        return 1 if bad else 0
+    if args.step is not None and args.step not in steps:
+        raise _Failed(
+            f"step {args.step} is not committed",
+            tier.location,
+            f"committed steps there: {_some(steps)} (run `tiercheck ls {loc}`)",
+        )
     targets = steps if args.step is None else [args.step]
     bad = 0
     for step in targets:
@@ -105,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"step {step}: ok ({_ranks(manifests, marker.world_size)})")
         except TiercheckError as exc:
             bad += 1
-            print(f"step {step}: FAILED: {exc}")
+            print(f"step {step}: FAILED: {_one_line(str(exc))}")
     return 1 if bad else 0
 
 
@@ -114,6 +181,76 @@ def _metrics_column(marker: Marker) -> str:
     if not marker.metrics:
         return ""
     return "\t" + " ".join(f"{name}={value!r}" for name, value in marker.metrics)
+
+
+def _open_tier(loc: str, options: dict[str, Any], timeout: float) -> Tier:
+    if "://" not in loc:
+        if not os.path.exists(loc):
+            raise _Failed("no such directory", os.path.abspath(loc), "check the path (a tier root, as given to local=)")
+        if not os.path.isdir(loc):
+            raise _Failed("not a directory", os.path.abspath(loc), "give a tier root directory, as given to local=")
+        return LocalTier(loc)
+    try:
+        return RemoteTier(
+            loc,
+            _with_timeouts(loc, options, timeout),
+            retry=RetryPolicy(budget_s=timeout, initial_s=0.25, max_s=2.0),
+            op_timeout=timeout,
+        )
+    except TiercheckError as exc:
+        raise _Failed("cannot open", loc, _one_line(str(exc))) from exc
+
+
+def _committed(tier: Tier, loc: str) -> list[int]:
+    """The committed steps at `loc`; none at all is an error: a check that checks nothing
+    must not pass."""
+    try:
+        steps = tier.committed_steps()
+        strays = tier.stray_steps() if not steps else []
+    except Exception as exc:
+        cause = exc.__cause__ if isinstance(exc, TiercheckError) and exc.__cause__ is not None else exc
+        raise _Failed(
+            f"cannot list {tier.location}",
+            _one_line(f"{type(cause).__name__}: {cause}"),
+            "check the URL, the credentials and --storage-options (endpoint_url, ...); "
+            "--timeout sets how long an unreachable store is retried",
+        ) from exc
+    if not steps:
+        found = f"{len(strays)} step directories there have no commit marker (interrupted saves); " if strays else ""
+        raise _Failed(
+            "no committed step",
+            tier.location,
+            f"{found}check that this is a tier root, as given to local= or remote=",
+        )
+    return steps
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _some(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    shown = ", ".join(str(s) for s in steps[-10:])
+    return shown if len(steps) <= 10 else f"{len(steps)} steps, the newest {shown}"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tiercheck")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return __version__
 
 
 def _ranks(manifests: list[Manifest], world: int) -> str:

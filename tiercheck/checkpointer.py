@@ -19,6 +19,8 @@ from .checksum import ALGORITHMS
 from .coordination import Group, SaveRequests, from_process_group, join_group
 from .errors import (
     CheckpointCorruptedError,
+    ClosedError,
+    InvalidArgumentError,
     NoCheckpointError,
     StepConflictError,
     StepInFlightError,
@@ -56,7 +58,8 @@ class Checkpointer:
 
     Args:
         local: tier 1, a local directory (ideally NVMe). Created if missing.
-        remote: tier 2, an fsspec URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``).
+        remote: tier 2, an fsspec URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://``),
+            or a plain path, which is the local filesystem as ``file://`` is (created on demand).
             With `local`, each step committed on tier 1 is uploaded from the tier-1 files;
             alone, it is uploaded straight from the host buffer.
         storage_options: fsspec options for the remote tier (credentials, ``endpoint_url``,
@@ -64,8 +67,8 @@ class Checkpointer:
         keep_local: retention on tier 1: an int n (keep the n newest committed steps),
             a policy (`KeepLast(3) | KeepEvery(1000)`), or None to keep everything.
             The newest committed step and steps being written are never deleted.
-        keep_remote: the same for tier 2; None (the default) keeps everything. A step is
-            never deleted from tier 1 while it waits to be uploaded.
+        keep_remote: the same for tier 2; None (the default) keeps everything. A step tier 2
+            would keep is never deleted from tier 1 before it is on tier 2, and never skipped.
         host_buffers: how many staging buffers (each the size of the state) may exist.
             With 1, a `save()` issued while the previous step is still being written
             waits for it (that wait is counted in the stall); 2 lets it proceed at the cost
@@ -84,9 +87,12 @@ class Checkpointer:
             MiB it moves, before it counts as a transient failure (a hung server cannot stall
             an upload forever). For S3 it is also botocore's connect/read timeout (put into
             ``storage_options["config_kwargs"]`` unless you set it there yourself).
-        upload_backlog: when tier 2 falls behind, "newest" (default) uploads only the newest
-            pending step and skips older pending ones, so the backlog (and the tier-1 steps kept
-            for it) stays bounded; "all" uploads every step, in order.
+        upload_backlog: when tier 2 falls behind, "newest" (default) skips the pending steps
+            that `keep_remote` would delete anyway once newer ones are uploaded, so with
+            ``keep_remote=KeepLast(n)`` the backlog (and the tier-1 steps kept for it) stays
+            bounded by n plus milestones; steps tier 2 would keep (`KeepEvery` milestones,
+            everything under the default ``keep_remote=None``) are always uploaded. "all"
+            uploads every step, in order.
         remote_compression: None (default) or "zstd": store shards zstd-1 compressed on tier 2.
             Measured here: ~0.65 GB/s per core, ratio 1.08 on fp32 and 1.29 on bf16 weights;
             worth it only when the uplink is slower than that.
@@ -123,7 +129,10 @@ class Checkpointer:
             clock and every rank saves at the same step.
 
     Raises:
-        ValueError: no tier given, or an invalid option.
+        InvalidArgumentError: no tier given, or an invalid option (also a ValueError).
+
+    A process forked while a Checkpointer exists gets an inert copy: its `close()` returns
+    at once and its other methods raise `ClosedError`; the parent's saves are unaffected.
 
     Example:
         >>> ckpt = tiercheck.Checkpointer(local="ckpt/run7", keep_local=2)  # doctest: +SKIP
@@ -138,7 +147,7 @@ class Checkpointer:
     def __init__(
         self,
         local: str | os.PathLike[str] | None = None,
-        remote: str | None = None,
+        remote: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         keep_local: int | RetentionPolicy | None = 2,
         keep_remote: int | RetentionPolicy | None = None,
@@ -164,14 +173,18 @@ class Checkpointer:
         interval: SavePolicy | None = None,
     ) -> None:
         if local is None and remote is None:
-            raise ValueError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
+            raise InvalidArgumentError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
         if checksum not in ALGORITHMS:
-            raise ValueError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
+            raise InvalidArgumentError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
         rank, world_size, store = _job_place(rank, world_size, store)
         if not (isinstance(coordination_timeout, (int, float)) and coordination_timeout > 0):
-            raise ValueError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
+            raise InvalidArgumentError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
+        if not (isinstance(remote_timeout, (int, float)) and remote_timeout > 0):
+            raise InvalidArgumentError(f"remote_timeout must be a positive number, got {remote_timeout!r}")
         if interval is not None and not isinstance(interval, SavePolicy):
-            raise TypeError(f"interval must be a save policy such as tiercheck.Every(steps=500), got {interval!r}")
+            raise InvalidArgumentError(
+                f"interval must be a save policy such as tiercheck.Every(steps=500), got {interval!r}"
+            )
         self._interval = interval
         self._last_save_time = time.monotonic()
         self._last_saved: int | None = None
@@ -183,7 +196,7 @@ class Checkpointer:
         if not (
             replicated_writer == "balance" or (type(replicated_writer) is int and 0 <= replicated_writer < world_size)
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"replicated_writer must be 'balance' or a rank below {world_size}, got {replicated_writer!r}"
             )
         self._replicated_writer = replicated_writer
@@ -198,7 +211,7 @@ class Checkpointer:
             if remote is None
             else RemoteTier(
                 remote,
-                _with_timeouts(remote, storage_options, remote_timeout),
+                _with_timeouts(os.fspath(remote), storage_options, remote_timeout),
                 retry=RetryPolicy(budget_s=remote_retry_budget),
                 op_timeout=remote_timeout,
                 write_rate=remote_write_rate,
@@ -218,20 +231,21 @@ class Checkpointer:
         self._overlap = overlap
         self._warned_unguarded = False
         self._guards: dict[int, tuple[weakref.ref[torch.optim.Optimizer], Any]] = {}
-        if self._local is not None:
-            for path in self._local.remove_leftovers():
-                logger.info("removed leftover %s from an interrupted save or deletion", path)
         self._group: Group | None = None
         if world_size > 1:
-            # Leftovers are removed above, before this rendezvous: no rank saves before it.
             self._group = join_group(store, rank, world_size, coordination_timeout, self._local, self._remote)
         self._pipeline = Pipeline(
             self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority, self._group
         )
         self._requests = None if self._group is None else SaveRequests(self._group.coord)
+        # A fork() child gets a copy of this object but none of the pipeline's threads: it
+        # compares its pid with this one and does nothing (see `_check_process`).
+        self._pid = os.getpid()
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
-        self._finalizer = weakref.finalize(self, _finalize, self._pipeline, self._pool, str(local or remote))
+        self._finalizer = weakref.finalize(
+            self, _finalize, self._pipeline, self._pool, os.fspath(local or remote or ""), self._pid
+        )
 
     # -- context manager -------------------------------------------------------------
 
@@ -254,7 +268,7 @@ class Checkpointer:
             return self._tiers
         matches = [t for t in self._tiers if t.name == tier]
         if not matches:
-            raise ValueError(f"tier must be one of {[t.name for t in self._tiers]} or None, got {tier!r}")
+            raise InvalidArgumentError(f"tier must be one of {[t.name for t in self._tiers]} or None, got {tier!r}")
         return matches
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -276,8 +290,20 @@ class Checkpointer:
 
         The first save otherwise pays for allocating and touching a buffer as large as the
         state; call this at start-up, e.g. right after building the model and optimizer.
+
+        Like the first `save()`, it makes this Checkpointer the writer of its directory (see
+        `save`) and starts the catch-up upload of steps an earlier run left on tier 1 only: a
+        restarted job that may not save again should call it.
+
+        Raises:
+            DirectoryInUseError: another live Checkpointer writes this rank of the directory.
         """
+        self._check_open()
         flat = flatten_state(state)
+        with self._lock:
+            self._check_open()
+            self._pipeline.become_writer(self.rank, self.world_size)
+            self._pipeline.start_catch_up()
         plan = self._plan_for(flat)
         buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
         self._pool.release(buf)
@@ -386,13 +412,22 @@ class Checkpointer:
         (NaN, infinities and -0.0 kept exactly) or one-element real tensors/numpy values
         (read with ``.item()``, exactly). In a job, rank 0's metrics are recorded.
 
+        The first `save()` (or `prepare()`) makes this Checkpointer the writer of this rank's
+        part of the tier-1 directory: it takes an OS lock there (released at `close()` or when
+        the process dies), removes the leftovers of interrupted saves, and starts uploading the
+        steps an earlier run committed on tier 1 only that tier 2 would keep. Until then it
+        only reads, so an evaluation script can `restore()` while a job writes.
+
         Raises:
             UnsupportedStateError: a value that cannot be stored; names its key path
                 (or a metric that is not a number; names the metric).
+            DirectoryInUseError: another live Checkpointer writes this rank of the directory.
             StepConflictError: `step` is not newer than the existing or pending steps.
             TierError: an earlier background save failed (raised once).
+            ClosedError: the Checkpointer is closed, or was inherited through fork().
         """
         t0 = time.perf_counter()
+        self._check_process()  # before the lock: a fork() child may inherit it held
         with self._lock:
             self._check_open()
             if type(step) is not int or step < 0:
@@ -402,6 +437,7 @@ class Checkpointer:
                 self._raise_background_errors()
                 recorded = metric_values(metrics)
                 flat, replicated, remote_owners = self._flatten(state)
+                self._pipeline.become_writer(self.rank, self.world_size)
                 self._claim_step(step)
                 plan = self._plan_for(flat)
                 handle = SaveHandle(
@@ -457,6 +493,10 @@ class Checkpointer:
                     try:
                         stage_into(buf, flat, plan, progress=job.progress)
                     except BaseException:
+                        # Off the in-flight list before the writer hears of it: a retry of
+                        # this step (after Ctrl-C, say) must not meet it there.
+                        self._pipeline.forget_unstaged(job)
+                        submitted = False  # the other ranks hear of it from _abandon below
                         job.progress.fail()
                         raise
             except BaseException as exc:
@@ -493,7 +533,8 @@ class Checkpointer:
                 `coordination_timeout` (it stopped calling `should_save`).
         """
         if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        self._check_open()
         if self._asked is not None and self._asked[0] == step:
             return self._asked[1]
         policy = self._interval
@@ -571,13 +612,18 @@ class Checkpointer:
         before it); a step still being written or uploaded is refused. In a job, call it on
         every rank: one rank per directory deletes.
 
+        Like `save()`, it makes this Checkpointer the writer of its tier-1 directory.
+
         Raises:
             StepInFlightError: `step` is still being written or uploaded (wait for it first).
             NoCheckpointError: `step` is not committed on any tier.
             TierError: a tier failed to delete it (the other tiers were still tried).
+            DirectoryInUseError: another live Checkpointer writes this directory.
+            ClosedError: the Checkpointer is closed, or was inherited through fork().
         """
         if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        self._check_process()
         with self._lock:
             self._check_open()
             holders = [t for t in self._tiers if step in t.committed_steps()]
@@ -587,6 +633,7 @@ class Checkpointer:
                 where = ", ".join(f"{t.name}={t.location}" for t in self._tiers)
                 raise NoCheckpointError(f"step {step} is not committed on any tier ({where})")
             mine = [t for t in holders if self._group is None or self._group.leads(t.name)]
+            self._pipeline.become_writer(self.rank, self.world_size)  # deleting is writing
             self._pipeline.delete_step(step, mine)
             if self._latest_known == step:
                 self._latest_known = None  # re-derived from the tiers at the next save
@@ -625,10 +672,11 @@ class Checkpointer:
     def _guard(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Make each optimizer wait for an overlapped copy before it changes anything."""
         pipeline = weakref.ref(self._pipeline)  # no cycle: the optimizer may outlive us
+        pid = self._pid
 
         def wait_for_copy(optimizer: object, args: object, kwargs: object) -> None:
             p = pipeline()
-            if p is not None:
+            if p is not None and os.getpid() == pid:  # a fork() child has no copy to wait for
                 p.wait_staged()
 
         for opt in optimizers:
@@ -684,9 +732,20 @@ class Checkpointer:
 
     # -- sync points -----------------------------------------------------------------
 
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _check_process(self) -> None:
+        if self._forked():
+            raise ClosedError(
+                f"this Checkpointer was created by process {self._pid}; process {os.getpid()} inherited it "
+                "through fork() without its background threads and cannot use it: create a new Checkpointer"
+            )
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
-            raise RuntimeError("this Checkpointer is closed")
+            raise ClosedError("this Checkpointer is closed; create a new one to save or restore")
 
     def _raise_background_errors(self) -> None:
         errors = self._pipeline.take_errors()
@@ -709,7 +768,9 @@ class Checkpointer:
         Raises:
             TierError: a background save failed since the last sync point (raised once).
             WaitTimeoutError: `timeout` seconds passed first.
+            ClosedError: called in a fork() child of the process that created it.
         """
+        self._check_process()
         if not self._pipeline.wait_idle(timeout):
             raise WaitTimeoutError(f"pending saves {self._pipeline.in_flight()} not durable after {timeout}s")
         self._raise_background_errors()
@@ -722,7 +783,11 @@ class Checkpointer:
         Returns:
             A `DrainReport`: the newest step this session made durable on each tier, the
             steps still pending per tier, and the background errors (now consumed).
+
+        Raises:
+            ClosedError: called in a fork() child of the process that created it.
         """
+        self._check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
@@ -761,13 +826,16 @@ class Checkpointer:
 
         def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
             ckpt = me()
-            if fresh and ckpt is not None and not ckpt._closed:
+            usable = ckpt is not None and not ckpt._closed and not ckpt._forked()
+            if fresh and usable:
+                assert ckpt is not None
                 state.received = True
                 state.frame = frame
                 state.deadline = time.monotonic() + grace_s
                 ckpt._preempt_pending = True
                 return
-            if ckpt is not None and not ckpt._closed:
+            if usable:
+                assert ckpt is not None
                 ckpt.drain(grace_s)
             state.deliver(frame)
 
@@ -776,9 +844,15 @@ class Checkpointer:
     def close(self) -> None:
         """Drain pending saves, stop the writer, free the host buffers. Idempotent.
 
+        In a fork() child of the process that created it, it only detaches the exit-time
+        drain and returns: the threads and pending saves are the parent's.
+
         Raises:
             TierError: a background save failed since the last sync point (raised once).
         """
+        if self._forked():  # no lock: a parent's thread may have held it at the fork
+            self._finalizer.detach()
+            return
         if not self._closed:
             # First without the lock: a done callback may call delete() or metrics().
             self._pipeline.wait_idle()
@@ -830,11 +904,15 @@ class Checkpointer:
                 committed step does (without `step`, a damaged step is skipped with a
                 warning naming it and the next older one is tried).
             StateMismatchError: the template does not fit the checkpoint (names the key path).
+            InvalidArgumentError: `state` is not a mutable mapping, or `step` is not a
+                non-negative int.
+            ClosedError: the Checkpointer is closed, or was inherited through fork().
         """
+        self._check_process()
         if not isinstance(state, MutableMapping):
-            raise TypeError(f"restore() needs a mutable mapping as template, got {type(state).__name__}")
+            raise InvalidArgumentError(f"restore() needs a mutable mapping as template, got {type(state).__name__}")
         if step is not None and (type(step) is not int or step < 0):
-            raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+            raise InvalidArgumentError(f"step must be a non-negative int or None, got {step!r}")
         self._pipeline.wait_idle()  # without the lock first: a done callback may call delete()
         with self._lock:
             self._check_open()
@@ -893,11 +971,13 @@ def _replicated_keys(replicated: bool | Iterable[str | int]) -> bool | frozenset
     if replicated is True or replicated is False:
         return replicated
     if isinstance(replicated, (str, bytes)) or not isinstance(replicated, Iterable):
-        raise ValueError(f"replicated must be True, False or a collection of top-level keys, got {replicated!r}")
+        raise InvalidArgumentError(
+            f"replicated must be True, False or a collection of top-level keys, got {replicated!r}"
+        )
     keys = frozenset(replicated)
     for k in keys:
         if type(k) not in (str, int):
-            raise ValueError(f"replicated keys must be str or int, got {k!r}")
+            raise InvalidArgumentError(f"replicated keys must be str or int, got {k!r}")
     return keys or False
 
 
@@ -912,11 +992,11 @@ def _job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[in
     rank = 0 if rank is None else rank
     world_size = 1 if world_size is None else world_size
     if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+        raise InvalidArgumentError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
     if world_size > 1 and store is None:
         found = from_process_group()
         if found is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"world_size={world_size} needs a way to reach the other ranks: initialise the default "
                 "process group (torch.distributed.init_process_group, as torchrun jobs do) or pass store="
             )
@@ -936,7 +1016,11 @@ def _with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) 
     return opts
 
 
-def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str) -> None:
+def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str, pid: int) -> None:
+    if os.getpid() != pid:
+        # A fork() child exiting: the pipeline's threads and pending saves are the parent's,
+        # so waiting here would wait for threads that do not exist in this process.
+        return
     pending = pipeline.in_flight()
     warnings.warn(
         f"tiercheck: Checkpointer for {where} was not closed (pending steps: {pending or 'none'}); "

@@ -348,19 +348,12 @@ class Coordinator:
             first += f" (and {bad - len(reports)} more ranks)"
         return False, first, self._count(f"{base}fatal") > 0
 
-    def agree_catch_up(self, mine: Sequence[int], shared: Callable[[], list[int]]) -> int | None:
-        """At start-up: the newest step every rank's tier 1 holds, if tier 2 lacks it and holds
-        nothing newer (an earlier run committed it but never uploaded it); None otherwise.
-        Collective, like the join; rank 0 alone lists tier 2 and decides."""
-
-        def plan(common: set[int]) -> int | None:
-            if not common:
-                return None
-            newest, on_shared = max(common), shared()
-            return newest if not on_shared or max(on_shared) < newest else None
-
-        step = self._plan_from_tier1("catchup/", mine, plan, "catch-up")
-        return None if step is None else int(step)
+    def agree_catch_up(self, mine: Sequence[int], plan: Callable[[set[int]], list[int]]) -> list[int]:
+        """When the job first writes: the tier-1 steps to upload because an earlier run
+        committed them but never uploaded them. Rank 0 alone calls `plan` with the steps every
+        rank's tier 1 holds (it lists tier 2 and applies tier-2 retention). Collective."""
+        steps = self._plan_from_tier1("catchup/", mine, plan, "catch-up")
+        return [int(s) for s in steps]
 
     def finish_restore(self, rounds: int) -> None:
         """Done with this restore after `rounds` outcome rounds; the last rank deletes its keys."""

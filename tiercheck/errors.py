@@ -4,7 +4,10 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointCorruptedError",
+    "ClosedError",
     "CoordinationError",
+    "DirectoryInUseError",
+    "InvalidArgumentError",
     "NoCheckpointError",
     "SnapshotChangedError",
     "StateMismatchError",
@@ -19,6 +22,18 @@ __all__ = [
 
 class TiercheckError(Exception):
     """Base of every error tiercheck raises."""
+
+
+class InvalidArgumentError(TiercheckError, ValueError, TypeError):
+    """An argument or option is invalid: a wrong value or a value of the wrong type (an
+    unknown tier name, a negative step, a template that is not a mapping, a bad retention
+    policy); the message names it. Also a `ValueError` and a `TypeError`, so code written
+    against the builtins keeps working."""
+
+
+class ClosedError(TiercheckError, RuntimeError):
+    """The Checkpointer was closed, or this process inherited it through `fork()` and may
+    not use it (its background threads live in the parent): create a new one."""
 
 
 class NoCheckpointError(TiercheckError, FileNotFoundError):
@@ -73,9 +88,20 @@ class CoordinationError(TiercheckError, TimeoutError):
         self.settled = settled
 
 
+class DirectoryInUseError(TiercheckError, BlockingIOError):
+    """Another live Checkpointer (in this process or another) is already the writer of this
+    rank's part of a tier-1 directory; the message names the directory and that process.
+
+    A Checkpointer becomes a writer at its first `save()` or `prepare()`; one that only
+    restores never takes the lock, so an evaluation script may read a directory a job is
+    writing. The lock is an OS file lock, released when its holder closes or dies.
+    """
+
+
 class UploadSkippedError(TiercheckError):
-    """Raised by `SaveHandle.wait("remote")` for a step that will never reach tier 2: a newer
-    step superseded it while uploads were behind, or it failed on tier 1 first."""
+    """Raised by `SaveHandle.wait("remote")` for a step that will never reach tier 2: uploads
+    were behind and newer steps superseded it (tier-2 retention would delete it anyway), or
+    it failed on tier 1 first."""
 
 
 class TierError(TiercheckError, OSError):

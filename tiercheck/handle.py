@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .errors import TiercheckError, TierError
+from .errors import ClosedError, InvalidArgumentError, TiercheckError, TierError
 from .events import SaveStats
 
 __all__ = ["DoneCallback", "DrainReport", "SaveHandle", "WaitTimeoutError"]
@@ -64,6 +65,7 @@ class SaveHandle:
         self._call_soon = call_soon
         self._lock = threading.Lock()
         self._callbacks: list[DoneCallback] = []
+        self._pid = os.getpid()
 
     def __repr__(self) -> str:
         state = {
@@ -75,8 +77,16 @@ class SaveHandle:
         if tier is None:
             return self.tiers
         if tier not in self._events:
-            raise ValueError(f"tier must be one of {self.tiers} or None, got {tier!r}")
+            raise InvalidArgumentError(f"tier must be one of {self.tiers} or None, got {tier!r}")
         return (tier,)
+
+    def _check_process(self, pending: bool) -> None:
+        """A fork() child never sees a pending save finish: its threads are the parent's."""
+        if pending and os.getpid() != self._pid:
+            raise ClosedError(
+                f"step {self.step} is being saved by process {self._pid}; this process inherited its "
+                "handle through fork() and cannot wait for it"
+            )
 
     def staged(self) -> bool:
         """True once every byte of the state is copied into host memory."""
@@ -89,7 +99,9 @@ class SaveHandle:
 
         Raises:
             WaitTimeoutError: `timeout` seconds passed first.
+            ClosedError: called in a fork() child while the copy is pending.
         """
+        self._check_process(not self._staged.is_set())
         if not self._staged.wait(timeout):
             raise WaitTimeoutError(f"step {self.step} not staged after {timeout}s")
 
@@ -102,10 +114,13 @@ class SaveHandle:
 
         Raises:
             TierError: the step failed on that tier (raised here, and not again later).
-            UploadSkippedError: the step will never reach tier 2 (superseded by a newer step
-                while uploads were behind, or it failed on tier 1).
+            UploadSkippedError: the step will never reach tier 2 (uploads were behind and
+                newer steps superseded it, so tier-2 retention would delete it anyway; or it
+                failed on tier 1).
             WaitTimeoutError: `timeout` seconds passed first.
+            ClosedError: called in a fork() child while the save is pending.
         """
+        self._check_process(not self.done(tier))
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._tiers(tier):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -123,7 +138,9 @@ class SaveHandle:
 
         Raises:
             WaitTimeoutError: `timeout` seconds passed first.
+            ClosedError: called in a fork() child while the save is pending.
         """
+        self._check_process(not self.done(tier))
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._tiers(tier):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -8,6 +8,7 @@ A tier root holds one directory per step::
         COMMIT                             commit marker, written last
     .tiercheck-tmp-step-000000000125-r00000-<token>/   local tier: a step being written
     .tiercheck-trash-step-000000000100-<token>/        local tier: a step being deleted
+    .tiercheck-lock-rank-00000                         local tier: rank 0's writer lock (kept)
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ STEP_DIGITS = 12
 COMMIT_NAME = "COMMIT"
 TMP_PREFIX = ".tiercheck-tmp-"
 TRASH_PREFIX = ".tiercheck-trash-"
+LOCK_PREFIX = ".tiercheck-lock-rank-"
 
 _STEP_RE = re.compile(r"step-([0-9]{12,})", re.ASCII)
-_TMP_RE = re.compile(r"\.tiercheck-tmp-step-[0-9]{12,}-r[0-9]{5,}-[0-9a-f]{16}", re.ASCII)
+_TMP_RE = re.compile(r"\.tiercheck-tmp-step-[0-9]{12,}-r([0-9]{5,})-[0-9a-f]{16}", re.ASCII)
 _TRASH_RE = re.compile(r"\.tiercheck-trash-step-[0-9]{12,}-[0-9a-f]{16}", re.ASCII)
 _SHARD_RE = re.compile(r"rank-([0-9]{5,})-of-([0-9]{5,})\.shard", re.ASCII)
 
@@ -57,9 +59,21 @@ def trash_dir_name(step: int) -> str:
     return f"{TRASH_PREFIX}{step_dir_name(step)}-{secrets.token_hex(8)}"
 
 
+def lock_name(rank: int) -> str:
+    """The file whose `flock` makes a process the one writer of `rank`'s part of a directory."""
+    return f"{LOCK_PREFIX}{rank:05d}"
+
+
 def is_leftover(name: str) -> bool:
     """True for temp and trash directories a crashed writer may leave behind."""
     return bool(_TMP_RE.fullmatch(name) or _TRASH_RE.fullmatch(name))
+
+
+def leftover_rank(name: str) -> int | None:
+    """The rank whose writer made the temp directory `name`; None for a trash directory (or
+    any other name)."""
+    m = _TMP_RE.fullmatch(name)
+    return None if m is None else int(m.group(1))
 
 
 def is_safe_file_name(name: str) -> bool:

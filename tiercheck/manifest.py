@@ -1,8 +1,8 @@
 """The manifest and commit-marker schema: build, serialise, and strictly validate (pure).
 
 Every parse error, whatever its cause, surfaces as `CheckpointCorruptedError`: a
-manifest is untrusted input. Nothing here executes code or allocates more than the
-bytes it was given.
+manifest is untrusted input. Nothing here executes code, and parsing allocates a bounded
+multiple of the bytes it was given (see `decode_manifest`).
 """
 
 from __future__ import annotations
@@ -10,19 +10,24 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import layout
 from .dtypes import itemsize
-from .errors import CheckpointCorruptedError
+from .errors import CheckpointCorruptedError, UnsupportedStateError
 from .state import JsonNode, Leaf
 
 FORMAT = "tiercheck"
 VERSION = 1
 MAX_DEPTH = 256  # tree levels; the reader's recursion stays well inside Python's limit
 MAX_NDIM = 64
+# The largest manifest a writer produces or a reader parses; docs/format.md (Limits) says why.
+MAX_MANIFEST_BYTES = 256 << 20
+# JSON arrays outside strings: writers put at most one in ~13 bytes (an empty dict node has
+# two in 27), so denser documents are refused before parsing; each array costs ~64 bytes.
+MIN_BYTES_PER_ARRAY = 8
 _NODE_TYPES = frozenset(
     {"dict", "list", "tuple", "none", "bool", "int", "float", "str", "tensor", "ndarray",
      "npscalar", "bytes", "stateful", "replica"}
@@ -111,6 +116,23 @@ def build_entries(
 
 
 def encode_manifest(m: Manifest) -> bytes:
+    """The manifest's bytes.
+
+    Raises:
+        UnsupportedStateError: they would exceed `MAX_MANIFEST_BYTES` (too many arrays in one
+            rank's state), so no reader would accept the step.
+    """
+    data = _encode_manifest(m)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise UnsupportedStateError(
+            f"step {m.step}, rank {m.rank}: the manifest of this state would be {len(data)} bytes "
+            f"({len(m.entries)} arrays), over the format's limit of {MAX_MANIFEST_BYTES} bytes; "
+            "save fewer, larger arrays per rank (docs/format.md, Limits)"
+        )
+    return data
+
+
+def _encode_manifest(m: Manifest) -> bytes:
     doc = {
         "format": FORMAT,
         "version": VERSION,
@@ -182,18 +204,116 @@ def _fail(where: str, what: str) -> CheckpointCorruptedError:
     return CheckpointCorruptedError(f"{where}: {what}")
 
 
+def _max_arrays(data: bytes) -> int:
+    """An upper bound on the JSON arrays in `data`, in C speed and one copy: every array
+    opens at the start or after `:`, `,` or `[` (whitespace aside); brackets inside strings
+    only add to the count. Two non-overlapping `[[` per run stand for its overlapping ones."""
+    c = data.translate(None, b" \t\n\r")
+    return c.count(b":[") + c.count(b",[") + 2 * c.count(b"[[") + 1
+
+
 def _load_json(data: bytes, where: str) -> dict[str, Any]:
+    # Arrays are the one JSON value the parser builds without a hook to drop junk: refuse a
+    # document made mostly of them before building any (`[[]],` costs 25x its bytes).
+    arrays = _max_arrays(data)
+    if arrays * MIN_BYTES_PER_ARRAY > len(data) + MIN_BYTES_PER_ARRAY:
+        raise _fail(
+            where,
+            f"up to {arrays} JSON arrays in {len(data)} bytes, denser than any writer produces "
+            f"(at most one per {MIN_BYTES_PER_ARRAY} bytes)",
+        )
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_hook=_compacting_hook())
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
         raise _fail(where, f"not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
-        raise _fail(where, "top level is not a JSON object")
+        raise _fail(where, "top level is not a JSON object with 'format' and 'version' fields")
     if doc.get("format") != FORMAT:
         raise _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
     if type(doc.get("version")) is not int or doc["version"] != VERSION:
         raise _fail(where, f"unsupported format version {doc.get('version')!r} (reader: {VERSION})")
     return doc
+
+
+class _Unrecognised:
+    """What the parser keeps of a JSON object that is none of the kinds this format defines
+    (the value of a field readers ignore, or damage): nothing, so junk costs no memory."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<an object of no kind this format defines>"
+
+
+_UNRECOGNISED = _Unrecognised()
+_ENTRY_FIELDS = frozenset({"path", "kind", "dtype", "shape", "file", "offset", "length", "checksum"})
+_NODE_TYPE_NAMES = {t: t for t in _NODE_TYPES}
+_VALUE_NODES = frozenset({"int", "float", "str"})
+_METRIC_NODES = frozenset({"int", "float"})
+
+
+def _compacting_hook() -> Callable[[dict[str, Any]], object]:
+    """A `json` object hook that keeps a parse small (a dict costs ~200 bytes, ten times a tree
+    node's JSON): the constant tree nodes (none, true, false, empty containers) are shared,
+    repeated names (node types, entries' kind/dtype/file/codec) stored once, and an object of
+    no kind this format defines, or a tree node without the fields its type needs, is
+    dropped for `_UNRECOGNISED` (validation then reports it). Decoded trees are read-only."""
+    names: dict[str, str] = {}
+    shared: dict[tuple[object, ...], dict[str, Any]] = {
+        ("none",): {"t": "none"},
+        ("bool", True): {"t": "bool", "v": True},
+        ("bool", False): {"t": "bool", "v": False},
+        ("list",): {"t": "list", "v": []},
+        ("tuple",): {"t": "tuple", "v": []},
+        ("dict",): {"t": "dict", "k": [], "v": []},
+    }
+
+    def node(obj: dict[str, Any], t: object) -> object:
+        if type(t) is not str or t not in _NODE_TYPE_NAMES:
+            return _UNRECOGNISED
+        obj["t"] = t = _NODE_TYPE_NAMES[t]
+        v, n = obj.get("v"), len(obj)
+        if t == "none":
+            return shared[("none",)] if n == 1 else obj
+        if t == "bool":
+            if type(v) is not bool:
+                return _UNRECOGNISED
+            return shared[("bool", v)] if n == 2 else obj
+        if t in _VALUE_NODES:
+            return obj if type(v) is str else _UNRECOGNISED
+        if t in _LEAF_NODE_TYPES:
+            return obj if type(obj.get("e")) is int else _UNRECOGNISED
+        if t in ("list", "tuple"):
+            if type(v) is not list:
+                return _UNRECOGNISED
+            return shared[(t,)] if n == 2 and not v else obj
+        if t == "dict":
+            k = obj.get("k")
+            if type(k) is not list or type(v) is not list:
+                return _UNRECOGNISED
+            return shared[("dict",)] if n == 3 and not k and not v else obj
+        if t == "stateful":
+            return obj if isinstance(v, dict) else _UNRECOGNISED
+        return obj  # replica: validated with its context (the marker's world, the keys)
+
+    def hook(obj: dict[str, Any]) -> object:
+        if "t" in obj:
+            return node(obj, obj["t"])
+        if "format" in obj and "version" in obj:  # the document itself
+            return obj
+        if obj and all(type(v) is dict and v.get("t") in _METRIC_NODES for v in obj.values()):
+            return obj  # a marker's metrics: name -> int or float node
+        if obj.keys() >= _ENTRY_FIELDS:
+            for field in ("kind", "dtype", "file", "codec"):
+                v = obj.get(field)
+                if type(v) is str:
+                    obj[field] = names.setdefault(v, v)
+            return obj
+        if "name" in obj and "length" in obj:  # a shard file, or a marker's manifest reference
+            return obj
+        return _UNRECOGNISED
+
+    return hook
 
 
 def _reject_constant(name: str) -> None:
@@ -238,7 +358,7 @@ def decode_marker(data: bytes, where: str) -> Marker:
     for i, r in enumerate(_list(doc, "manifests", where)):
         w = f"{where} manifests[{i}]"
         if not isinstance(r, dict):
-            raise _fail(w, "not an object")
+            raise _fail(w, "not an object with 'name' and 'length'")
         name = _str(r, "name", w)
         if name != layout.manifest_name(i, world):
             raise _fail(w, f"unexpected manifest name {name!r}")
@@ -252,7 +372,7 @@ def _metrics(doc: dict[str, Any], where: str) -> tuple[tuple[str, Metric], ...]:
     """The optional `metrics` object: metric name -> an int or float node of the tree's form."""
     raw = doc.get("metrics", {})
     if type(raw) is not dict:
-        raise _fail(where, "field 'metrics' must be an object")
+        raise _fail(where, "field 'metrics' must be a non-empty object of metric name -> int or float node")
     out: list[tuple[str, Metric]] = []
     for name, node in raw.items():
         w = f"{where} metrics[{name[:40]!r}]"
@@ -286,6 +406,16 @@ def _canonical_number(kind: str, text: str) -> Metric | None:
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate a manifest (`where` names it in errors).
+
+    Parsing holds a small multiple of `data` whatever the input (docs/format.md, Limits, has
+    the measurements: ~5x for a model's manifest, ~13x for the worst input measured): see
+    `_compacting_hook` and `MIN_BYTES_PER_ARRAY`. The tree shares its constant nodes and must
+    not be modified.
+
+    Raises:
+        CheckpointCorruptedError: anything this format does not allow.
+    """
     doc = _load_json(data, where)
     if doc.get("kind") != "manifest":
         raise _fail(where, "not a manifest")
@@ -298,7 +428,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     for i, f in enumerate(_list(doc, "files", where)):
         w = f"{where} files[{i}]"
         if not isinstance(f, dict):
-            raise _fail(w, "not an object")
+            raise _fail(w, "not an object with 'name' and 'length'")
         name = _str(f, "name", w)
         if not layout.is_safe_file_name(name) or name in files:
             raise _fail(w, f"file name {name!r} is not a shard name of this format, or repeated")
@@ -308,7 +438,12 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
             raise _fail(w, f"unsupported codec {codec!r}")
         stored = None if codec == "raw" else _int(f, "stored_length", w)
         shard_files.append(ShardFile(name, files[name], codec, stored))
-    entries = tuple(_entry(e, i, files, where) for i, e in enumerate(_list(doc, "entries", where)))
+    raw_entries = _list(doc, "entries", where)
+    decoded: list[Entry] = []
+    for i, e in enumerate(raw_entries):
+        decoded.append(_entry(e, i, files, where))
+        raw_entries[i] = None  # each JSON object goes once its Entry exists: no peak of both
+    entries = tuple(decoded)
     _check_regions(entries, where)
     tree = doc.get("tree")
     if not isinstance(tree, dict) or tree.get("t") != "dict":
@@ -350,7 +485,7 @@ def _replicated_keys(
 def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:
     w = f"{where} entries[{i}]"
     if not isinstance(e, dict):
-        raise _fail(w, "not an object")
+        raise _fail(w, f"not an object with the fields {sorted(_ENTRY_FIELDS)}")
     kind = _str(e, "kind", w)
     dtype = _str(e, "dtype", w)
     size = itemsize(kind, dtype)

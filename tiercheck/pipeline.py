@@ -9,7 +9,15 @@ Two workers, one per tier, each draining its own queue:
   the uploader and applies tier-1 retention;
 * the uploader copies committed tier-1 steps to tier 2 (shards, manifest, marker last),
   or, without a tier 1, writes staged saves straight from the host buffer. When it falls
-  behind, it uploads only the newest pending step (``upload_backlog="newest"``).
+  behind (``upload_backlog="newest"``), it skips the waiting steps that tier-2 retention
+  would delete anyway; a step tier 2 would keep is always uploaded.
+
+A step tier-2 retention would keep stays on tier 1 until it is on tier 2: while it waits
+for its upload, and after a failed upload (the next session's catch-up uploads it).
+
+A session only reads until `become_writer` (its first save or prepare): it then takes its
+rank's writer lock on tier 1, sweeps that rank's leftovers, and catches up the uploads an
+earlier run left undone.
 
 Errors are captured and handed to the caller's thread exactly once.
 """
@@ -29,7 +37,14 @@ from dataclasses import dataclass, field
 from . import layout
 from .checksum import checksum_function
 from .coordination import CoordinationError, Group, PartReport
-from .errors import StepInFlightError, TiercheckError, TierError, UploadSkippedError
+from .errors import (
+    ClosedError,
+    InvalidArgumentError,
+    StepInFlightError,
+    TiercheckError,
+    TierError,
+    UploadSkippedError,
+)
 from .events import emit, logger
 from .handle import SaveHandle
 from .manifest import (
@@ -40,21 +55,18 @@ from .manifest import (
     ShardFile,
     assignment_digest,
     build_entries,
-    decode_manifest,
-    decode_marker,
     encode_manifest,
     encode_marker,
 )
 from .planner import ShardPlan
 from .priority import lower_current_thread
-from .restore import present_manifests, read_marker, verify_files
+from .restore import present_manifests, read_manifest_with_bytes, read_marker, verify_files
 from .retarget import Key, Retargeted, balance, region_chunks, replicated_sizes, retarget
-from .retention import KeepAll, RetentionPolicy, plan_deletions
+from .retention import KeepAll, RetentionPolicy, plan_catch_up, plan_deletions, superseded
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
 from .state import FlatState, JsonNode, Leaf
 from .tiers.base import StepWriter, Tier
 
-MAX_META_BYTES = 1 << 30
 BACKLOG_POLICIES = ("newest", "all")
 
 
@@ -102,7 +114,7 @@ class _Prune:
 
 @dataclass(frozen=True, slots=True)
 class _CatchUp:
-    """Upload the newest tier-1 step if an earlier run never uploaded it."""
+    """Upload the tier-1 steps an earlier run never uploaded that tier 2 would keep."""
 
 
 _STOP = object()
@@ -179,7 +191,7 @@ class Pipeline:
         group: Group | None = None,
     ) -> None:
         if upload_backlog not in BACKLOG_POLICIES:
-            raise ValueError(f"upload_backlog must be one of {BACKLOG_POLICIES}, got {upload_backlog!r}")
+            raise InvalidArgumentError(f"upload_backlog must be one of {BACKLOG_POLICIES}, got {upload_backlog!r}")
         self.local = local
         self.remote = remote
         self._pool = pool
@@ -192,6 +204,13 @@ class Pipeline:
         self._idle = threading.Condition(self._lock)
         self._tracks: dict[int, _Track] = {}
         self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
+        # Tier-1 steps tier 2 still needs that no handle tracks: catch-up uploads not yet
+        # attempted, and failed uploads that tier-2 retention would keep (`_owe`). Tier-1
+        # retention never deletes them.
+        self._catching_up: set[int] = set()
+        self._owed: set[int] = set()
+        self._writing = False
+        self._catch_up_queued = False
         self._errors: list[TierError] = []
         # Per tier: may unmarked leftovers exist (a crash before this session, a failed step)?
         self._sweep = {t.name: True for t in (local, remote) if t is not None}
@@ -212,10 +231,34 @@ class Pipeline:
         self._stager = _Worker("tiercheck-stager", self._run_stage, self._idle)
         self._writer = _Worker("tiercheck-writer", self._run_local, self._idle, low_priority) if local else None
         self._uploader = _Worker("tiercheck-uploader", self._run_remote, self._idle, low_priority) if remote else None
-        if local is not None and remote is not None:
-            self._uploader_put(_CatchUp())
 
     # -- caller side -------------------------------------------------------------
+
+    def become_writer(self, rank: int, world_size: int) -> None:
+        """Before this session first writes (save, prepare): take `rank`'s writer lock on
+        tier 1 and sweep the leftovers it owns. Until then the session only reads, so an
+        evaluation script can restore from a directory a job is writing. Idempotent.
+
+        Raises:
+            DirectoryInUseError: another live process (or Checkpointer) writes that rank there.
+        """
+        if self._writing:
+            return
+        if self.local is not None:
+            for path in self.local.claim_writer(rank, world_size):
+                logger.info("removed leftover %s from an interrupted save or deletion", path)
+        self._writing = True
+
+    def start_catch_up(self) -> None:
+        """Queue, once per session, the upload of the tier-1 steps an earlier run committed but
+        never uploaded, where tier 2 would keep them (after `become_writer`)."""
+        if self.local is None or self.remote is None:
+            return
+        with self._lock:
+            if self._catch_up_queued:
+                return
+            self._catch_up_queued = True
+        self._uploader_put(_CatchUp())
 
     def submit(self, job: StagedSave, finish_staging: FlatState | None = None) -> None:
         """Queue `job` for writing; with `finish_staging`, first copy its deferred leaves on
@@ -223,12 +266,22 @@ class Pipeline:
         tiers = {t.name for t in (self.local, self.remote) if t is not None}
         with self._lock:
             if self._closed:
-                raise RuntimeError("the checkpointer is closed")
+                raise ClosedError("the checkpointer is closed")
             self._tracks[job.step] = _Track(job.handle, set(tiers))
+        self.start_catch_up()  # after the step is tracked: the catch-up counts it as pending
         if finish_staging is not None:
             self._stager.put(_Stage(job, finish_staging))
         else:
             self._write_next(job)
+
+    def forget_unstaged(self, job: StagedSave) -> None:
+        """save() failed while copying `job` and raises: the step is no longer in flight, so
+        the caller may retry it at once. The writer still drops the job (and its buffer)."""
+        with self._lock:
+            track = self._tracks.get(job.step)
+            if track is not None and track.handle is job.handle:
+                del self._tracks[job.step]
+                self._idle.notify_all()
 
     def _write_next(self, job: StagedSave) -> None:
         if self._writer is not None:
@@ -333,11 +386,17 @@ class Pipeline:
             if threading.current_thread() is not self._callbacks.thread:
                 self._callbacks.thread.join(timeout)
         self._hasher.shutdown(wait=True)
+        if self.local is not None and not (self._writer is not None and self._writer.thread.is_alive()):
+            self.local.release_writer()  # never while a write may still be running
 
     # -- bookkeeping -----------------------------------------------------------------
 
-    def _finish(self, step: int, tier: str, error: TiercheckError | None = None) -> None:
-        if error is not None and self._group is not None and self._first_report(step, tier):
+    def _finish(
+        self, step: int, tier: str, error: TiercheckError | None = None, handle: SaveHandle | None = None
+    ) -> None:
+        """Record `step`'s outcome on `tier`. With `handle`, only if that save still owns
+        the step: a save whose copy failed may have been retried with the same step since."""
+        if error is not None and self._group is not None and self._first_report(step, tier, handle):
             try:  # tell the other ranks now, so they do not wait for us until the timeout
                 self._group.coord.abandon(step, tier, str(error))
             except Exception as exc:
@@ -346,6 +405,9 @@ class Pipeline:
             if error is not None:
                 self._sweep[tier] = True
             track = self._tracks.get(step)
+            if handle is not None and (track is None or track.handle is not handle):
+                handle._finish(tier, error)  # no longer in flight, or a retry owns the step now
+                return
             if isinstance(error, TierError):
                 self._errors.append(error)
             if error is None:
@@ -369,11 +431,11 @@ class Pipeline:
         if isinstance(error, TierError):
             logger.error("%s", error)
 
-    def _first_report(self, step: int, tier: str) -> bool:
+    def _first_report(self, step: int, tier: str, handle: SaveHandle | None = None) -> bool:
         """True the first time this rank reports its outcome for `step` on `tier`."""
         with self._lock:
             track = self._tracks.get(step)
-            if track is None or tier in track.reported:
+            if track is None or tier in track.reported or (handle is not None and track.handle is not handle):
                 return False
             track.reported.add(tier)
             return True
@@ -472,10 +534,13 @@ class Pipeline:
         return error
 
     def _drop_unstaged(self, item: StagedSave) -> None:
-        """The copy failed in save(), which raised it to the caller: drop the step quietly."""
-        self._pool.release(item.buffer)
+        """The copy failed in save(), which raised it to the caller: drop the step quietly.
+        The caller may already have retried the same step (after a KeyboardInterrupt, say):
+        only this save's handle fails, not the retry's."""
+        error = TiercheckError(f"step {item.step} was never staged: its save() raised")
         for name in item.handle.tiers:
-            self._finish(item.step, name, TiercheckError(f"step {item.step} was never staged"))
+            self._finish(item.step, name, error, handle=item.handle)
+        self._pool.release(item.buffer)
 
     def _report(self, error: TierError | None) -> None:
         if error is not None:
@@ -500,11 +565,14 @@ class Pipeline:
             self._finish(item.step, tier.name, error)
             if error is None:
                 self._report(self._prune(tier, item.step))
+                if self._settle_owed(tier, listed=True):
+                    self._request_local_prune()
             return
         assert isinstance(item, _Upload)
         error = None
         with self._lock:
             if item.step in self._deleting:  # a catch-up upload of a step being deleted
+                self._catching_up.discard(item.step)
                 return
             self._uploading = item.step
         try:
@@ -516,6 +584,9 @@ class Pipeline:
         finally:
             with self._lock:
                 self._uploading = None
+                self._catching_up.discard(item.step)
+                if error is not None:  # before the step leaves the in-flight list
+                    self._owed.add(item.step)
         if item.handle is not None:
             item.handle.stats.tier_s[tier.name] = time.monotonic() - item.handle.started_at
             self._finish(item.step, tier.name, error)
@@ -523,20 +594,54 @@ class Pipeline:
             self._report(error)
         if error is None:
             self._report(self._prune(tier, item.step))
+        self._settle_owed(tier, listed=error is None)
         self._request_local_prune()  # the step is off tier 1's protection list now
 
+    def _settle_owed(self, tier: Tier, listed: bool) -> bool:
+        """Keep on tier 1 only the failed uploads tier-2 retention would still keep, given the
+        steps known for tier 2: those in flight and, when `listed` (tier 2 just worked), its
+        listing. A failed milestone stays until a later session uploads it; a failed step that
+        `KeepLast` alone kept is released once enough newer steps exist. True if any was."""
+        with self._lock:
+            if not self._owed or isinstance(self._keep[tier.name], KeepAll):
+                return False
+        listing: list[int] = []
+        if listed:
+            try:
+                listing = tier.committed_steps()
+            except Exception as exc:
+                logger.warning("tiercheck: could not list tier %s: %r", tier.name, exc)
+        with self._lock:
+            before = len(self._owed)
+            self._owed.difference_update(listing)
+            others = set(listing) | {s for s, t in self._tracks.items() if tier.name in t.remaining}
+            if self._uploading is not None:
+                others.add(self._uploading)
+            self._owed.difference_update(superseded(self._owed, self._keep[tier.name], others))
+            return len(self._owed) != before
+
     def _queue_upload(self, upload: _Upload) -> None:
-        """Queue an upload; under the "newest" policy, drop the uploads still waiting (not the
-        one in progress) right away, so their steps lose tier-1 protection now rather than
-        when the uploader gets to them: tier 1 then holds at most one step being uploaded
-        and one waiting, however long tier 2 is down."""
+        """Queue an upload; under the "newest" policy, drop right away the waiting uploads (not
+        the one in progress) that tier-2 retention would delete anyway once the newer steps are
+        there, so their steps lose tier-1 protection now rather than when the uploader gets to
+        them. A step tier 2 would keep (a `KeepEvery` milestone, one of `KeepLast(n)`'s n
+        newest, any step under `KeepAll`) is never dropped: with keep_remote=KeepLast(n), tier 1
+        holds at most the step being uploaded, n waiting, and the milestones among them."""
         assert self._uploader is not None
         dropped: list[_Upload] = []
         if self._backlog == "newest":
+            assert self.remote is not None
+            with self._lock:
+                uploading = self._uploading
             with self._uploader.cond:
+                waiting = [q.step for q in self._uploader.queue if isinstance(q, _Upload) and q.step < upload.step]
+                others = [upload.step] + [q.step for q in self._uploader.queue if isinstance(q, StagedSave)]
+                if uploading is not None:
+                    others.append(uploading)
+                doomed = set(superseded(waiting, self._keep[self.remote.name], others))
                 keep: deque[object] = deque()
                 for q in self._uploader.queue:
-                    if isinstance(q, _Upload) and q.step < upload.step:
+                    if isinstance(q, _Upload) and q.step in doomed:
                         dropped.append(q)
                     else:
                         keep.append(q)
@@ -544,6 +649,7 @@ class Pipeline:
             if dropped:
                 with self._idle:
                     self._uploader.unfinished -= len(dropped)
+                    self._catching_up.difference_update(q.step for q in dropped)
         self._uploader_put(upload)
         for q in dropped:  # the tier-1 writer prunes right after queueing this upload
             self._skip_upload(q)
@@ -555,8 +661,9 @@ class Pipeline:
                 item.step,
                 self.remote.name,
                 UploadSkippedError(
-                    f"step {item.step} was not uploaded to tier {self.remote.name!r}: a newer step was "
-                    "committed first while uploads were behind (upload_backlog='newest')"
+                    f"step {item.step} was not uploaded to tier {self.remote.name!r}: uploads were behind "
+                    "and newer steps superseded it, so tier-2 retention would delete it anyway "
+                    "(upload_backlog='newest')"
                 ),
             )
 
@@ -565,7 +672,8 @@ class Pipeline:
             self._writer.put(_Prune())
 
     def _catch_up(self, tier: Tier) -> None:
-        """Upload the newest tier-1 step if an earlier run committed it but never uploaded it."""
+        """Upload the tier-1 steps an earlier run committed but never uploaded (a kill, a
+        failed upload) that tier-2 retention would keep, milestones included."""
         assert self.local is not None
         if self._group is not None:
             self._catch_up_job(tier)
@@ -578,39 +686,45 @@ class Pipeline:
         except Exception as exc:
             logger.warning("tiercheck: could not compare tiers at start-up: %r", exc)
             return
-        newest = local_steps[-1]
-        if remote_steps and remote_steps[-1] >= newest:
-            return
         with self._lock:
-            if any(s >= newest for s in self._tracks):
-                return  # this session already saves that step or a newer one
-        logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", newest)
-        self._uploader_put(_Upload(newest, 0, None))
+            steps = plan_catch_up(local_steps, remote_steps, self._keep[tier.name], list(self._tracks))
+            self._catching_up.update(steps)
+        if steps:
+            logger.info("uploading steps %s, committed on tier 1 by an earlier run but not on tier 2", steps)
+        for step in steps:
+            self._uploader_put(_Upload(step, 0, None))
 
     def _catch_up_job(self, tier: Tier) -> None:
-        """`_catch_up` for a job: rank 0 picks the step (the newest on every rank's tier 1, if
-        tier 2 has nothing as new) and every rank uploads its part of it."""
+        """`_catch_up` for a job: rank 0 picks the steps (among those on every rank's tier 1)
+        and every rank uploads its part of each."""
         assert self.local is not None and self._group is not None
         try:
             mine = self.local.committed_steps()
         except OSError:
             mine = []
+        with self._lock:
+            pending = list(self._tracks)
+
+        def plan(common: set[int]) -> list[int]:
+            return plan_catch_up(common, tier.committed_steps(), self._keep[tier.name], pending)
+
         try:
-            step = self._group.coord.agree_catch_up(mine, tier.committed_steps)
+            steps = self._group.coord.agree_catch_up(mine, plan)
         except Exception as exc:
             logger.warning("tiercheck: no catch-up upload at start-up: %r", exc)
             return
-        if step is None:
-            return
-        owners: dict[Key, int] = {}
-        if self._group.node_local:  # tier 2 gets one copy of the replicated keys, as for any step
-            try:
-                owners = self._uploaders_of(step)
-            except Exception as exc:
-                logger.warning("tiercheck: no catch-up upload of step %d: %r", step, exc)
-                return
-        logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", step)
-        self._uploader_put(_Upload(step, self._group.rank, None, tuple(owners.items())))
+        for step in steps:
+            owners: dict[Key, int] = {}
+            if self._group.node_local:  # tier 2 gets one copy of the replicated keys, as for any step
+                try:
+                    owners = self._uploaders_of(step)
+                except Exception as exc:
+                    logger.warning("tiercheck: no catch-up upload of step %d: %r", step, exc)
+                    continue
+            logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", step)
+            with self._lock:
+                self._catching_up.add(step)
+            self._uploader_put(_Upload(step, self._group.rank, None, tuple(owners.items())))
 
     def _uploaders_of(self, step: int) -> dict[Key, int]:
         """Who uploads each replicated key of a tier-1 step (node-local tier 1): the same
@@ -629,11 +743,12 @@ class Pipeline:
     def _copy_from_local(self, step: int, rank: int, owners: dict[Key, int]) -> None:
         src, dst = self.local, self.remote
         assert src is not None and dst is not None
-        marker_bytes = src.read_bytes(step, layout.COMMIT_NAME, MAX_META_BYTES)
-        marker = decode_marker(marker_bytes, src.path_of(step, layout.COMMIT_NAME))
+        # The manifest is checked against the marker before anything else: a copy damaged on
+        # tier 1 after its commit must not reach tier 2, least of all under a marker signed
+        # anew there for a rewritten manifest (compressed or retargeted).
+        marker = read_marker(src, step)
+        manifest_bytes, manifest = read_manifest_with_bytes(src, step, rank, marker)
         ref = marker.manifests[rank]
-        manifest_bytes = src.read_bytes(step, ref.file, ref.length)
-        manifest = decode_manifest(manifest_bytes, src.path_of(step, ref.file))
         verify_files(src, step, manifest)  # never spread a copy that went bad on tier 1
         moved = retarget(manifest, owners) if owners else None
         writer = dst.open_step(step, rank, shared=self._group is not None)
@@ -767,11 +882,11 @@ class Pipeline:
             return None
         try:
             committed = tier.committed_steps()
-            # Steps still to be uploaded stay on tier 1; steps being uploaded are off limits.
-            protected = self.in_flight() if tier is self.local else self.in_flight(tier.name)
-            with self._lock:
-                if self._uploading is not None:
-                    protected.append(self._uploading)
+            if tier is self.local:
+                with self._lock:  # a failed upload deleted since (a new branch): nothing to keep
+                    self._owed.intersection_update(committed)
+            # Steps still to be uploaded (or that tier 2 needs) stay on tier 1.
+            protected = self._tier1_protected() if tier is self.local else self.in_flight(tier.name)
             policy = self._keep[tier.name]
             metrics = self._metrics_of(tier, committed) if policy.metric_names else None
             doomed = plan_deletions(committed, policy, in_flight=protected, metrics=metrics)
@@ -784,6 +899,16 @@ class Pipeline:
         except Exception as exc:
             return tier_error(exc, newest, tier, "applying retention after")
         return None
+
+    def _tier1_protected(self) -> list[int]:
+        """Tier-1 steps retention must not delete: in flight on either tier, being uploaded,
+        queued for a catch-up upload, or failed to upload while tier 2 would keep them."""
+        steps = set(self.in_flight())
+        with self._lock:
+            steps |= self._catching_up | self._owed
+            if self._uploading is not None:
+                steps.add(self._uploading)
+        return sorted(steps)
 
     def _remember_metrics(self, tier: Tier, step: int, metrics: tuple[tuple[str, Metric], ...]) -> None:
         if self._keep[tier.name].metric_names:  # only policies ranking by a metric read them

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import numpy as np
 import torch
@@ -23,12 +23,20 @@ from .coordination import Coordinator
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
 from .events import report_missing_keys
-from .manifest import Entry, Manifest, Marker, ShardFile, decode_key, decode_manifest, decode_marker
+from .manifest import (
+    MAX_MANIFEST_BYTES,
+    Entry,
+    Manifest,
+    Marker,
+    ShardFile,
+    decode_key,
+    decode_manifest,
+    decode_marker,
+)
 from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
 
 MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
-MAX_MANIFEST_BYTES = 1 << 30
 
 Producer = Callable[[], object]
 _Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
@@ -380,54 +388,88 @@ def _plain(node: JsonNode) -> object:
 
 
 class ZstdFile(ReadableFile):
-    """A zstd-compressed shard read front to back (restore reads in offset order); a read
-    behind the current position starts decompressing again from the beginning."""
+    """A zstd-compressed shard (one or more frames) read front to back (restore reads in
+    offset order); a read behind the current position starts decompressing again from the
+    beginning.
 
-    CHUNK = 8 << 20
+    Memory stays bounded whatever the frames claim: bytes are decompressed straight into the
+    caller's buffer (or a fixed scratch buffer when skipping ahead), never more than asked
+    for, and never past the declared length. `check_end` then reads at most one byte past
+    it: a shard that decompresses to more or fewer bytes than declared is corrupted.
+    """
+
+    READ_SIZE = 8 << 20  # compressed bytes per read from the tier (one ranged GET on tier 2)
+    SKIP_SIZE = 1 << 20  # decompressed bytes per step when skipping ahead
 
     def __init__(self, raw: ReadableFile, length: int, path: str) -> None:
         self.size = length
         self._raw = raw
         self._path = path
+        self._scratch: memoryview | None = None
         self._rewind()
 
     def _rewind(self) -> None:
         import zstandard
 
-        self._dobj = zstandard.ZstdDecompressor().decompressobj()
         self._raw_pos = 0
         self._pos = 0
-        self._pending = b""
+        # read_across_frames: the format allows several frames, decompressing back to back.
+        self._reader: Any = zstandard.ZstdDecompressor().stream_reader(
+            cast(Any, self), read_size=self.READ_SIZE, read_across_frames=True, closefd=False
+        )
 
-    def _take(self, n: int) -> bytes:
-        """Up to `n` decompressed bytes at the current position ('' at the end)."""
-        while not self._pending and self._raw_pos < self._raw.size:
-            chunk = bytearray(min(self.CHUNK, self._raw.size - self._raw_pos))
+    def read(self, n: int) -> bytearray:
+        """The next compressed bytes, for the decompressor (empty at the end of the file)."""
+        n = min(n, self._raw.size - self._raw_pos)
+        chunk = bytearray(n)
+        if n:
             self._raw.read_into(self._raw_pos, memoryview(chunk))
-            self._raw_pos += len(chunk)
-            try:
-                self._pending = self._dobj.decompress(bytes(chunk))
-            except Exception as exc:  # zstandard.ZstdError: not a valid frame
-                raise CheckpointCorruptedError(f"{self._path}: bad zstd data: {exc}") from None
-        out, self._pending = self._pending[:n], self._pending[n:]
-        self._pos += len(out)
-        return out
+            self._raw_pos += n
+        return chunk
 
-    def read_into(self, offset: int, dest: memoryview) -> None:
-        if offset < self._pos:
-            self._rewind()
-        while self._pos < offset:
-            if not self._take(min(self.CHUNK, offset - self._pos)):
-                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}")
+    def _fill(self, dest: memoryview) -> int:
+        """Decompress into `dest`; fewer bytes only where the data ends."""
         filled = 0
         while filled < len(dest):
-            out = self._take(len(dest) - filled)
-            if not out:
-                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}")
-            dest[filled : filled + len(out)] = out
-            filled += len(out)
+            try:
+                n = self._reader.readinto(dest[filled:])
+            except Exception as exc:  # zstandard.ZstdError: not a valid frame
+                raise CheckpointCorruptedError(f"{self._path}: bad zstd data: {exc}") from None
+            if not n:
+                break
+            filled += n
+        self._pos += filled
+        return filled
+
+    def _skip_to(self, offset: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(min(self.SKIP_SIZE, max(self.size, 1))))
+        while self._pos < offset:
+            if not self._fill(self._scratch[: min(len(self._scratch), offset - self._pos)]):
+                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}, manifest says {self.size}")
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        if offset + len(dest) > self.size:
+            raise EOFError(f"{self._path}: bytes {offset}..{offset + len(dest)} lie past its {self.size} bytes")
+        if offset < self._pos:
+            self._rewind()
+        self._skip_to(offset)
+        if self._fill(dest) < len(dest):
+            raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}, manifest says {self.size}")
+
+    def check_end(self) -> None:
+        """Raise CheckpointCorruptedError unless the data decompresses to exactly `size` bytes."""
+        try:
+            self._skip_to(self.size)
+        except EOFError as exc:
+            raise CheckpointCorruptedError(str(exc)) from None
+        if self._fill(memoryview(bytearray(1))):
+            raise CheckpointCorruptedError(
+                f"{self._path}: decompresses to more than the {self.size} bytes its manifest declares"
+            )
 
     def close(self) -> None:
+        self._reader.close()
         self._raw.close()
 
 
@@ -452,6 +494,11 @@ def read_marker(tier: Tier, step: int) -> Marker:
 
 def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> Manifest:
     """Read and verify one rank's manifest of `step` against the commit marker."""
+    return read_manifest_with_bytes(tier, step, rank, marker)[1]
+
+
+def read_manifest_with_bytes(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> tuple[bytes, Manifest]:
+    """`read_manifest`, with the bytes it decoded (those the marker's checksum covers)."""
     if marker is None:
         marker = read_marker(tier, step)
     if not 0 <= rank < marker.world_size:
@@ -479,7 +526,7 @@ def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None
         raise CheckpointCorruptedError(
             f"{mwhere}: checksum algorithm {manifest.checksum_algorithm!r}, marker says {marker.checksum_algorithm!r}"
         )
-    return manifest
+    return data, manifest
 
 
 def read_step(
@@ -567,6 +614,9 @@ def prepare_step(
                 "drop them from the template, or restore(state, strict=False) to leave them as they are"
             )
         _read_verified(tier, step, files, binder.reads, manifest.checksum_algorithm)
+        for f in files.values():
+            if isinstance(f, ZstdFile):
+                f.check_end()
     finally:
         for f in files.values():
             f.close()
@@ -665,7 +715,7 @@ def verify_files(tier: Tier, step: int, manifest: Manifest) -> None:
     Raises:
         CheckpointCorruptedError: a shard is missing, short, or an entry's bytes differ.
     """
-    buf = bytearray(READ_CHUNK)
+    buf = bytearray(min(READ_CHUNK, max((sf.length for sf in manifest.files), default=0)))
     view = memoryview(buf)
     for sf in manifest.files:
         path = tier.path_of(step, sf.name)
@@ -701,6 +751,8 @@ def verify_files(tier: Tier, step: int, manifest: Manifest) -> None:
                         hashers[i].update(view[lo - pos : hi - pos])
                     if off + length <= pos + n and i == first:
                         first += 1
+            if isinstance(f, ZstdFile):
+                f.check_end()
         finally:
             f.close()
         for ((off, length), expected), h in zip(ordered, hashers, strict=True):

@@ -4,11 +4,18 @@ A policy answers "which of these committed steps would you like to keep?"; the p
 then adds the safety rules no policy can override: the newest committed step, steps
 still being written, and (on tier 1) steps not yet committed on tier 2 are never deleted.
 
+The same policies decide what tier 2 must get: a step that tier-2 retention would keep (a
+milestone of `KeepEvery`, one of the `n` newest for `KeepLast`, any step for `KeepAll`) is
+never left off it. `superseded` answers the one question both the upload backlog and the
+start-up catch-up ask: which of these steps would the tier delete anyway?
+
 Policies that rank steps by a metric (`KeepBest`) also get each step's recorded metrics
 (`save(..., metrics=)`), and may abstain on a step: `KeepBest` has no opinion on a step
 without its metric. A step is kept if any combined policy keeps it, or if none of them
 has an opinion on it; so `KeepBest` alone never deletes a step that lacks its metric,
-while ``KeepBest(...) | KeepLast(2)`` lets `KeepLast` decide such steps.
+while ``KeepBest(...) | KeepLast(2)`` lets `KeepLast` decide such steps. Where the metrics
+are not known (``metrics=None``), `KeepBest` keeps every step: nothing is deleted or left
+off tier 2 on a guess.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
 
 __all__ = [
     "KeepAll",
@@ -27,7 +36,9 @@ __all__ = [
     "RetentionPolicy",
     "as_policy",
     "best_steps",
+    "plan_catch_up",
     "plan_deletions",
+    "superseded",
 ]
 
 Metrics = Mapping[int, Mapping[str, "int | float"]]
@@ -77,7 +88,7 @@ class KeepLast(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if type(self.n) is not int or self.n < 1:
-            raise ValueError(f"KeepLast(n) needs an int n >= 1, got {self.n!r}")
+            raise InvalidArgumentError(f"KeepLast(n) needs an int n >= 1, got {self.n!r}")
 
     def keep(self, steps: Sequence[int]) -> frozenset[int]:
         return frozenset(steps[-self.n :])
@@ -96,7 +107,7 @@ class KeepEvery(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if type(self.n_steps) is not int or self.n_steps < 1:
-            raise ValueError(f"KeepEvery(n_steps) needs an int >= 1, got {self.n_steps!r}")
+            raise InvalidArgumentError(f"KeepEvery(n_steps) needs an int >= 1, got {self.n_steps!r}")
 
     def keep(self, steps: Sequence[int]) -> frozenset[int]:
         return frozenset(s for s in steps if s % self.n_steps == 0)
@@ -125,11 +136,11 @@ class KeepBest(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if type(self.k) is not int or self.k < 1:
-            raise ValueError(f"KeepBest(k, ...) needs an int k >= 1, got {self.k!r}")
+            raise InvalidArgumentError(f"KeepBest(k, ...) needs an int k >= 1, got {self.k!r}")
         if type(self.metric) is not str or not self.metric:
-            raise ValueError(f"KeepBest(k, metric) needs a metric name, got {self.metric!r}")
+            raise InvalidArgumentError(f"KeepBest(k, metric) needs a metric name, got {self.metric!r}")
         if self.mode not in ("min", "max"):
-            raise ValueError(f"KeepBest(mode=) must be 'min' or 'max', got {self.mode!r}")
+            raise InvalidArgumentError(f"KeepBest(mode=) must be 'min' or 'max', got {self.mode!r}")
 
     def keep(self, steps: Sequence[int]) -> frozenset[int]:
         return frozenset(steps)  # without metrics nothing is ranked: keep everything
@@ -198,7 +209,7 @@ def as_policy(value: int | RetentionPolicy | None, option: str) -> RetentionPoli
         return value
     if type(value) is int:
         return KeepLast(value)
-    raise TypeError(f"{option} must be an int, a retention policy or None, got {value!r}")
+    raise InvalidArgumentError(f"{option} must be an int, a retention policy or None, got {value!r}")
 
 
 def plan_deletions(
@@ -217,8 +228,49 @@ def plan_deletions(
     steps = sorted(set(committed))
     if not steps:
         return []
-    keep = set(policy.select(steps, metrics or {}))
+    keep = set(policy.keep(steps) if metrics is None else policy.select(steps, metrics))
     keep.add(steps[-1])
     keep.update(in_flight)
     keep.update(not_yet_on_next_tier)
     return [s for s in steps if s not in keep]
+
+
+def superseded(
+    steps: Collection[int], policy: RetentionPolicy, others: Collection[int] = (), metrics: Metrics | None = None
+) -> list[int]:
+    """Of `steps`, not yet on a tier, those the tier's retention `policy` would delete anyway
+    once every step of `steps` and `others` is there; ascending. Only these may be left off
+    the tier: `KeepLast(n)` supersedes a step once `n` newer ones are known, `KeepEvery`
+    never supersedes a multiple, `KeepAll` nothing, and the newest step is never superseded.
+    `metrics` holds the recorded metrics of every step of `steps` and `others`, for policies
+    ranking by a metric; without it (None) `KeepBest` supersedes nothing: a step that may be
+    among the best is never left off.
+
+    Example:
+        >>> superseded([5, 10, 15], KeepLast(2) | KeepEvery(10), others=[20, 25])
+        [5, 15]
+    """
+    known = sorted(set(steps) | set(others))
+    if not known:
+        return []
+    keep = set(policy.keep(known) if metrics is None else policy.select(known, metrics))
+    keep.add(known[-1])
+    return sorted(s for s in set(steps) if s not in keep)
+
+
+def plan_catch_up(
+    on_tier1: Collection[int], on_tier2: Collection[int], policy: RetentionPolicy, pending: Collection[int] = ()
+) -> list[int]:
+    """At start-up: the tier-1 steps an earlier run left without their tier-2 copy that tier-2
+    retention `policy` would keep (given the steps on both tiers and `pending`, the steps this
+    run is saving, which are uploaded anyway and never returned); ascending.
+
+    Example:
+        >>> plan_catch_up([10, 11], [5], KeepLast(1) | KeepEvery(10))
+        [10, 11]
+        >>> plan_catch_up([10, 11], [5], KeepLast(1) | KeepEvery(10), pending=[12])
+        [10]
+    """
+    missing = set(on_tier1) - set(on_tier2) - set(pending)
+    gone = superseded(missing, policy, set(on_tier2) | set(pending))
+    return sorted(missing.difference(gone))

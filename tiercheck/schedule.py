@@ -17,6 +17,8 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from .errors import InvalidArgumentError
+
 __all__ = ["AnyDue", "Every", "SavePolicy"]
 
 
@@ -65,13 +67,13 @@ class Every(SavePolicy):
 
     def __post_init__(self) -> None:
         if self.steps is None and self.seconds is None:
-            raise ValueError("Every() needs steps=N and/or seconds=S")
+            raise InvalidArgumentError("Every() needs steps=N and/or seconds=S")
         if self.steps is not None and (type(self.steps) is not int or self.steps < 1):
-            raise ValueError(f"Every(steps=) needs an int >= 1, got {self.steps!r}")
+            raise InvalidArgumentError(f"Every(steps=) needs an int >= 1, got {self.steps!r}")
         if self.seconds is not None and (
             type(self.seconds) not in (int, float) or not math.isfinite(self.seconds) or self.seconds <= 0
         ):
-            raise ValueError(f"Every(seconds=) needs a positive finite number, got {self.seconds!r}")
+            raise InvalidArgumentError(f"Every(seconds=) needs a positive finite number, got {self.seconds!r}")
 
     def due_by_step(self, step: int, last_saved: int | None) -> bool:
         return self.steps is not None and step % self.steps == 0 and step != last_saved

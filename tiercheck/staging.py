@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import SnapshotChangedError
+from .errors import InvalidArgumentError, SnapshotChangedError
 from .planner import ALIGNMENT, ShardPlan
 from .state import FlatState
 
@@ -55,8 +55,8 @@ class HostBufferPool:
     """At most `capacity` buffers; `acquire` blocks while all are in flight."""
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError("host_buffers must be >= 1")
+        if type(capacity) is not int or capacity < 1:
+            raise InvalidArgumentError(f"host_buffers must be an int >= 1, got {capacity!r}")
         self._capacity = capacity
         self._free: list[HostBuffer] = []
         self._count = 0

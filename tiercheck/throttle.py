@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 import time
 
+from .errors import InvalidArgumentError
+
 
 class RateLimiter:
     def __init__(self, bytes_per_second: float | None) -> None:
         if bytes_per_second is not None and bytes_per_second <= 0:
-            raise ValueError("a write-rate cap must be positive bytes/s (or None for no cap)")
+            raise InvalidArgumentError("a write-rate cap must be positive bytes/s (or None for no cap)")
         self._rate = bytes_per_second
         self._lock = threading.Lock()
         self._available = 0.0

@@ -55,7 +55,7 @@ import torch
 
 from ..api import read_tiers
 from ..checkpointer import Checkpointer
-from ..errors import NoCheckpointError, StepConflictError, StepInFlightError, TiercheckError
+from ..errors import InvalidArgumentError, NoCheckpointError, StepConflictError, StepInFlightError, TiercheckError
 from ..handle import SaveHandle
 from ..restore import list_committed, restore_from
 from ..retention import RetentionPolicy
@@ -177,10 +177,10 @@ class _TiercheckIOImpl:
         **options: Any,
     ) -> None:
         if local is None and remote is None:
-            raise ValueError("TiercheckIO needs at least one tier: local=DIR and/or remote=URL")
+            raise InvalidArgumentError("TiercheckIO needs at least one tier: local=DIR and/or remote=URL")
         for fixed in ("rank", "world_size", "store", "replicated"):
             if fixed in options:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"TiercheckIO sets {fixed}= itself: Lightning saves the whole checkpoint from global rank 0"
                 )
         self._local = None if local is None else os.fspath(local)
@@ -226,13 +226,13 @@ class _TiercheckIOImpl:
         """Stage `checkpoint` as step ``checkpoint["global_step"]`` and return after the
         host copy; the pointer file at `path` appears once the step is committed."""
         if storage_options is not None:
-            raise TypeError(
+            raise InvalidArgumentError(
                 "TiercheckIO.save_checkpoint does not take storage_options; give "
                 "TiercheckIO(storage_options=...) for the remote tier"
             )
         step = checkpoint.get("global_step")
         if type(step) is not int or step < 0:
-            raise ValueError(f"the checkpoint for {path} has no valid 'global_step' ({step!r})")
+            raise InvalidArgumentError(f"the checkpoint for {path} has no valid 'global_step' ({step!r})")
         target = os.path.abspath(os.fspath(path))
         with self._lock:
             ckpt = self._checkpointer()

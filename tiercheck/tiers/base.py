@@ -152,6 +152,18 @@ class Tier(ABC):
     def remove_leftovers(self) -> list[str]:
         """Delete temp/trash entries that this library's naming rules recognise; return them."""
 
+    def claim_writer(self, rank: int, world_size: int) -> list[str]:
+        """Become the one writer of `rank`'s part of this tier until `release_writer()` or the
+        end of the process, then remove the leftovers that writer owns; return their paths.
+        Called before a session first writes; reading never calls it. Raises
+        DirectoryInUseError when another live writer holds it. Tiers that cannot lock
+        (object stores) and hold no leftovers return []."""
+        return []
+
+    def release_writer(self) -> None:
+        """Give up what `claim_writer` took; idempotent."""
+        return None
+
     @abstractmethod
     def path_of(self, step: int, name: str | None = None) -> str:
         """A human-readable path for messages."""

@@ -4,6 +4,13 @@ Durability protocol for a step: files are written into a temp directory, each fs
 the commit marker is written and fsynced last; the temp directory is fsynced, renamed to
 its step name, and the parent fsynced. Deletion renames the step directory to a trash name (so the
 step, marker included, disappears atomically), fsyncs the parent, then removes it.
+
+Ownership: a process writes rank r's part of a directory only while it holds an exclusive
+`flock` on the file ``.tiercheck-lock-rank-<r>`` there (`claim_writer`). The kernel releases
+it when the holder closes it or dies, SIGKILL included, so a killed job never blocks its own
+restart, and a forked child closes its inherited copy at once, so a data-loader worker that
+outlives its trainer does not hold it either. Leftover temp directories are swept only by the
+holder of their rank's lock; readers take no lock and never modify the directory.
 """
 
 from __future__ import annotations
@@ -13,15 +20,24 @@ import errno
 import os
 import secrets
 import shutil
+import socket
 import stat
+import weakref
 from collections.abc import Callable
 
 from .. import layout
-from ..errors import CheckpointCorruptedError
+from ..errors import CheckpointCorruptedError, DirectoryInUseError, InvalidArgumentError
+from ..events import logger
 from ..throttle import RateLimiter
 from .base import ReadableFile, StepWriter, Tier
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no writer lock
+    fcntl = None  # type: ignore[assignment]
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def fsync_dir(path: str) -> None:
@@ -58,7 +74,7 @@ class LocalTier(Tier):
         write_rate: float | None = None,
     ) -> None:
         if block_size < (1 << 20) or block_size % 4096:
-            raise ValueError("block_size must be a multiple of 4096 and at least 1 MiB")
+            raise InvalidArgumentError("block_size must be a multiple of 4096 and at least 1 MiB")
         self.name = name
         self.location = os.fspath(root)
         self.root = os.path.abspath(self.location)
@@ -66,6 +82,7 @@ class LocalTier(Tier):
         self.fsync = fsync
         self.block_size = block_size
         self.limiter = RateLimiter(write_rate)
+        self._writer_lock: weakref.finalize[..., LocalTier] | None = None  # closes the lock file
 
     def path_of(self, step: int, name: str | None = None) -> str:
         d = os.path.join(self.root, layout.step_dir_name(step))
@@ -134,7 +151,7 @@ class LocalTier(Tier):
             fsync_dir(final)
 
     def read_bytes(self, step: int, name: str, limit: int) -> bytes:
-        f = _LocalFile(self.path_of(step, name))
+        f = _LocalFile(self.path_of(step), name)
         try:
             if f.size > limit:
                 raise CheckpointCorruptedError(f"{f.path}: {f.size} bytes, over the {limit}-byte limit")
@@ -147,7 +164,7 @@ class LocalTier(Tier):
             f.close()
 
     def open_file(self, step: int, name: str) -> ReadableFile:
-        return _LocalFile(self.path_of(step, name))
+        return _LocalFile(self.path_of(step), name)
 
     def delete_step(self, step: int) -> None:
         # One atomic rename hides the whole step, marker included, before any data goes; a
@@ -162,7 +179,9 @@ class LocalTier(Tier):
             fsync_dir(self.root)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def remove_leftovers(self) -> list[str]:
+    def remove_leftovers(self, owned: Callable[[int | None], bool] | None = None) -> list[str]:
+        """Remove temp and trash directories; with `owned`, only the temp directories of the
+        ranks it accepts (it gets None for a trash directory, which has no rank)."""
         removed = []
         try:
             it = os.scandir(self.root)
@@ -170,10 +189,99 @@ class LocalTier(Tier):
             return []
         with it:
             for entry in it:
-                if layout.is_leftover(entry.name) and entry.is_dir(follow_symlinks=False):
+                if not (layout.is_leftover(entry.name) and entry.is_dir(follow_symlinks=False)):
+                    continue
+                if owned is None or owned(layout.leftover_rank(entry.name)):
                     shutil.rmtree(entry.path, ignore_errors=True)
                     removed.append(entry.path)
         return removed
+
+    # -- ownership ------------------------------------------------------------------
+
+    def claim_writer(self, rank: int, world_size: int) -> list[str]:
+        """Take rank `rank`'s writer lock (DirectoryInUseError if a live process holds it),
+        then sweep: this rank's temp directories, trash directories, and the temp directories
+        of ranks beyond `world_size` whose lock no live process holds. The other ranks of the
+        job sweep their own.
+
+        A directory that cannot hold the lock (full, read-only, no flock on this filesystem)
+        is written unlocked, with a warning: the write itself then fails (or not) as before,
+        in the background, and never stops training here."""
+        if self._writer_lock is None:
+            path = os.path.join(self.root, layout.lock_name(rank))
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                fd = self._lock(rank)
+            except OSError as exc:
+                logger.warning("tiercheck: cannot lock %s (%r); a second writer would not be detected", path, exc)
+                fd = -1
+            if fd is None:
+                raise DirectoryInUseError(
+                    f"{self.root} is already being written for rank {rank} by {_read_holder(path)} "
+                    f"(it holds the lock {path}). Two writers of one directory would delete each "
+                    "other's files. Close or stop the other writer, or give this one its own directory; "
+                    "a Checkpointer that only restores (or tiercheck.load) takes no lock and may run "
+                    "alongside."
+                )
+            if fd >= 0:
+                # Who holds it, for the error a second writer gets; through a descriptor of its
+                # own, closed at once: a file held open for writing would block a read-only
+                # remount of the filesystem.
+                with contextlib.suppress(OSError):
+                    holder = os.open(path, os.O_WRONLY | os.O_TRUNC | _O_CLOEXEC)
+                    try:
+                        os.write(holder, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+                    finally:
+                        os.close(holder)
+                self._writer_lock = weakref.finalize(self, _close_quietly, fd)
+                _LOCK_HOLDERS.add(self)
+        borrowed: dict[int, int | None] = {}
+
+        def owned(r: int | None) -> bool:
+            if r is None or r == rank:
+                return True
+            if r < world_size:
+                return False
+            if r not in borrowed:  # held until the sweep ends, so no writer of r starts meanwhile
+                try:
+                    borrowed[r] = self._lock(r)
+                except OSError:
+                    borrowed[r] = None
+            fd = borrowed[r]
+            return fd is not None and fd >= 0
+
+        try:
+            return self.remove_leftovers(owned)
+        except OSError as exc:
+            logger.warning("tiercheck: cannot sweep leftovers in %s: %r", self.root, exc)
+            return []
+        finally:
+            for fd in borrowed.values():
+                if fd is not None and fd >= 0:
+                    _close_quietly(fd)
+
+    def release_writer(self) -> None:
+        if self._writer_lock is not None:
+            self._writer_lock()  # closing the file releases the lock
+            self._writer_lock = None
+        _LOCK_HOLDERS.discard(self)
+
+    def _lock(self, rank: int) -> int | None:
+        """Try rank `rank`'s lock: an open descriptor that holds it; None if a live process
+        holds it; -1 where this platform has no flock. Raises OSError if the lock file
+        cannot be opened or the filesystem refuses flock."""
+        if fcntl is None:
+            return -1
+        fd = os.open(os.path.join(self.root, layout.lock_name(rank)), os.O_RDONLY | os.O_CREAT | _O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     # -- writing ------------------------------------------------------------------
 
@@ -221,6 +329,36 @@ class LocalTier(Tier):
                 os.fsync(fd)
         finally:
             os.close(fd)
+
+
+_LOCK_HOLDERS: weakref.WeakSet[LocalTier] = weakref.WeakSet()
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _read_holder(path: str) -> str:
+    """Who holds a writer lock, as its holder wrote it; this process is named as such."""
+    text = ""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        text = f.read(200).decode(errors="replace").strip()
+    if text.startswith(f"pid {os.getpid()} "):
+        return "a Checkpointer of this process that is not closed yet"
+    return text or "another process"
+
+
+def _drop_inherited_locks() -> None:
+    # A forked child shares its parent's open lock file: closing the child's copy keeps the
+    # lock with the parent alone, so it is released when the parent dies, whatever children
+    # (data-loader workers) live on.
+    for tier in list(_LOCK_HOLDERS):
+        tier.release_writer()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class _LocalStepWriter(StepWriter):
@@ -289,16 +427,50 @@ class _LocalStepWriter(StepWriter):
                 os.unlink(path)
 
 
-class _LocalFile(ReadableFile):
-    def __init__(self, path: str) -> None:
-        self.path = path
+def _open_step_file(step_dir: str, name: str) -> int:
+    """A read-only descriptor of file `name` of a step, following no symbolic link from the
+    tier's root down: tiercheck writes none, and one planted in a checkpoint must not make
+    the reader open a file outside its step directory (the root itself is the user's path
+    and may be reached through links).
+
+    Raises:
+        CheckpointCorruptedError: the step directory or the file is a symbolic link, or the
+            file is not a regular file.
+    """
+    if os.sep in name or name in (".", ".."):  # one component, or O_NOFOLLOW guards only the last
+        raise CheckpointCorruptedError(f"{step_dir}: {name!r} is not a file name of this format")
+    try:
+        dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(step_dir):
+            raise CheckpointCorruptedError(
+                f"{step_dir}: the step directory is a symbolic link; tiercheck follows none inside a tier "
+                "(copy the step directory in instead)"
+            ) from None
+        raise
+    path = os.path.join(step_dir, name)
+    try:
         # O_NONBLOCK: opening a FIFO planted in a checkpoint must not wait for a writer.
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        st = os.fstat(self._fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(self._fd)
-            raise CheckpointCorruptedError(f"{path}: not a regular file")
-        self.size = st.st_size
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointCorruptedError(
+                f"{path}: a symbolic link; tiercheck follows none inside a tier (copy the file in instead)"
+            ) from None
+        raise
+    finally:
+        os.close(dfd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointCorruptedError(f"{path}: not a regular file")
+    return fd
+
+
+class _LocalFile(ReadableFile):
+    def __init__(self, step_dir: str, name: str) -> None:
+        self.path = os.path.join(step_dir, name)
+        self._fd = _open_step_file(step_dir, name)
+        self.size = os.fstat(self._fd).st_size
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         pos, total = 0, len(dest)

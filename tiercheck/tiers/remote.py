@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from .. import layout
-from ..errors import CheckpointCorruptedError, TierError
+from ..errors import CheckpointCorruptedError, InvalidArgumentError, TierError
 from ..retry import RetryPolicy
 from ..throttle import RateLimiter
 from .base import ReadableFile, StepWriter, Tier
@@ -32,7 +33,9 @@ class RemoteTier(Tier):
     """A tier on an fsspec URL.
 
     Args:
-        url: the root, e.g. ``s3://bucket/run7``.
+        url: the root, e.g. ``s3://bucket/run7``. A plain path is the local filesystem,
+            as ``file://`` (no fsync or rename but for the marker); its directories are
+            created on demand.
         storage_options: passed to fsspec (credentials, ``endpoint_url``, client config).
             A fresh filesystem instance is created (``skip_instance_cache``), so credentials
             are never served from a stale cached client.
@@ -48,7 +51,7 @@ class RemoteTier(Tier):
 
     def __init__(
         self,
-        url: str,
+        url: str | os.PathLike[str],
         storage_options: Mapping[str, Any] | None = None,
         *,
         name: str = "remote",
@@ -60,14 +63,21 @@ class RemoteTier(Tier):
         op_timeout: float = 60.0,
     ) -> None:
         if compression not in (None, "zstd"):
-            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+            raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
         self.codec = compression or "raw"
         self.compression_level = compression_level
+        url = os.fspath(url)
+        if "://" not in url and "::" not in url:
+            url = os.path.abspath(url)  # a plain path: the local filesystem, as file:// is
         opts = dict(storage_options or {})
         opts.setdefault("skip_instance_cache", True)
-        if url.startswith(("file://", "local://")):
-            opts.setdefault("auto_mkdir", True)  # object stores have no directories to create
-        self.fs, root = fsspec.core.url_to_fs(url, **opts)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **opts)
+        except (ValueError, ImportError, TypeError) as exc:  # unknown protocol, backend not installed
+            raise InvalidArgumentError(f"cannot open remote {url!r}: {type(exc).__name__}: {exc}") from exc
+        if isinstance(self.fs, LocalFileSystem) and "auto_mkdir" not in opts:
+            # Object stores have no directories to create; a local path must get them.
+            self.fs.auto_mkdir = True
         self.root = root.rstrip("/")
         self.name = name
         self.location = url
