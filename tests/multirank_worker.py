@@ -325,6 +325,38 @@ def fsdp(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+@scenario
+def preempt_one(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Train in lockstep (a DDP model: an all-reduce every step) with `maybe_save` and a save
+    policy that is never due by itself; the test sends SIGTERM to rank 1 alone. Every rank
+    must save the same fresh step; rank 1 drains it and dies of its SIGTERM; the others stop
+    (`preempted`) and report. Progress lines go to DIR/progress-RANK for the test to watch."""
+    state = make_state(rank)
+    ck = tiercheck.Checkpointer(
+        **tiers(root, rank, "node"),
+        keep_local=None,
+        replicated=("model", "optimizer"),
+        interval=tiercheck.Every(steps=10_000),
+        coordination_timeout=60,
+    )
+    ck.install_sigterm_handler(grace_s=60, fresh=True)
+    saved: list[int] = []
+    step = 0
+    with open(os.path.join(root, f"progress-{rank}"), "a", buffering=1) as progress:
+        for step in range(1, 10_000):
+            train(state, 1)
+            state["position"] = step
+            progress.write(f"{step}\n")
+            if ck.maybe_save(step, saved_view(state)) is not None:
+                saved.append(step)
+            if ck.preempted:
+                break
+            time.sleep(0.01)
+    out = {"saved": saved, "preempted": ck.preempted, "last_step": step, "digest": digest(saved_view(state))}
+    ck.close()
+    return out
+
+
 def main() -> None:
     name, rank, world, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

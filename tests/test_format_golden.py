@@ -662,3 +662,134 @@ def test_schema_describes_what_writers_write_for_replicated(validators: dict[str
     assert tolerant["tree"]["v"][3]["t"] == "tensor"
     assert _errors(validators["manifest"], tolerant) == []
     decode_manifest(json.dumps(tolerant).encode(), "x")
+
+
+# ------------------------------------------------------ commit marker: optional metrics
+
+METRICS_ROOT = HERE / "golden" / "v1-metrics"
+METRICS_STEP = 42
+
+
+def golden_metrics() -> dict[str, Any]:
+    return {
+        "val_loss": 0.31,
+        "neg_zero": -0.0,
+        "nan": math.nan,
+        "inf": math.inf,
+        "-inf": -math.inf,
+        "epoch": 3,
+        "big": -(2**100),
+        "bf16": torch.tensor(0.1, dtype=torch.bfloat16),  # read with .item(): exactly
+        "np_f32": np.float32(0.1),
+        "h\u00e9": 1e-300,
+    }
+
+
+def expected_metrics() -> dict[str, int | float]:
+    m = golden_metrics()
+    m["bf16"] = torch.tensor(0.1, dtype=torch.bfloat16).item()
+    m["np_f32"] = float(np.float32(0.1))
+    return m
+
+
+def write_metrics_golden(root: Path) -> Path:
+    with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
+        ckpt.save(METRICS_STEP, {"w": torch.arange(3.0)}, metrics=golden_metrics()).wait()
+    return root / layout.step_dir_name(METRICS_STEP)
+
+
+def same_metrics(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        assert type(got[k]) is type(want[k]), k
+        if isinstance(want[k], float):
+            assert got[k].hex() == want[k].hex(), k  # NaN, -0.0 and every bit
+        else:
+            assert got[k] == want[k], k
+
+
+def test_marker_with_metrics_matches_golden_bytes(tmp_path: Path) -> None:
+    produced = write_metrics_golden(tmp_path / "ckpt")
+    golden = METRICS_ROOT / layout.step_dir_name(METRICS_STEP)
+    if REGEN:
+        shutil.rmtree(METRICS_ROOT, ignore_errors=True)
+        golden.mkdir(parents=True)
+        for name in FILES:
+            shutil.copyfile(produced / name, golden / name)
+        pytest.skip(f"regenerated {golden}; review and commit the diff")
+    for name in FILES:
+        assert (produced / name).read_bytes() == (golden / name).read_bytes(), name
+    marker = json.loads((golden / COMMIT).read_bytes())
+    assert list(marker)[-1] == "metrics"
+    assert marker["metrics"]["nan"] == {"t": "float", "v": "nan"}
+    assert marker["metrics"]["neg_zero"] == {"t": "float", "v": "-0x0.0p+0"}
+    assert marker["metrics"]["big"] == {"t": "int", "v": str(-(2**100))}
+
+
+def test_golden_metrics_read_back_exactly_without_loading_tensors(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(METRICS_ROOT, root)
+    (root / layout.step_dir_name(METRICS_STEP) / SHARD).unlink()  # no tensor byte is needed
+    with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
+        same_metrics(ckpt.metrics(METRICS_STEP), expected_metrics())
+        with pytest.raises(tiercheck.NoCheckpointError):
+            ckpt.metrics(7)
+    same_metrics(dict(decode_marker((METRICS_ROOT / layout.step_dir_name(METRICS_STEP) / COMMIT).read_bytes(),
+                                    "m").metrics), expected_metrics())  # fmt: skip
+    assert tiercheck.load(METRICS_ROOT)["w"].equal(torch.arange(3.0))
+
+
+def test_markers_without_metrics_still_read(tmp_path: Path) -> None:
+    assert decode_marker((GOLDEN_ROOT / STEP_DIR / COMMIT).read_bytes(), "old").metrics == ()
+    root = tmp_path / "ckpt"
+    shutil.copytree(GOLDEN_ROOT, root)
+    with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
+        assert ckpt.metrics(STEP) == {}
+
+
+def test_format_doc_metrics_example_is_what_the_writer_produces(tmp_path: Path, validators: dict[str, Any]) -> None:
+    (example,) = re.findall(r"```json metrics\n(.*?)```", FORMAT_DOC.read_text("utf-8"), flags=re.S)
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
+        ckpt.save(42, {"w": torch.arange(3.0)}, metrics={"val_loss": 0.31, "epoch": 3, "nan": math.nan}).wait()
+    assert (example.strip() + "\n").encode() == (tmp_path / layout.step_dir_name(42) / COMMIT).read_bytes()
+    assert _errors(validators["marker"], json.loads(example)) == []
+
+
+def test_schema_accepts_the_golden_marker_with_metrics(validators: dict[str, Any]) -> None:
+    marker = json.loads((METRICS_ROOT / layout.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
+    assert _errors(validators["marker"], marker) == []
+
+
+BAD_METRICS = [
+    ("x", 0.5),
+    ("x", {"t": "float", "v": 0.5}),
+    ("x", {"t": "int", "v": "1.5"}),
+    ("x", {"t": "float", "v": "0.5"}),
+    ("x", {"t": "bool", "v": True}),
+    ("x", {"t": "str", "v": "a"}),
+    ("x", {"t": "float"}),
+    ("x", {"t": "float", "v": "nan", "e": 0}),
+    ("", {"t": "int", "v": "1"}),
+    ("n" * 257, {"t": "int", "v": "1"}),
+]
+
+
+@pytest.mark.parametrize(("name", "node"), BAD_METRICS, ids=[f"{n[:8]!r}={v!r}"[:50] for n, v in BAD_METRICS])
+def test_schema_and_parser_reject_bad_metrics(validators: dict[str, Any], name: str, node: object) -> None:
+    doc = json.loads((METRICS_ROOT / layout.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
+    doc["metrics"] = {"ok": {"t": "int", "v": "1"}, name: node}
+    assert _errors(validators["marker"], doc) != []
+    with pytest.raises(CheckpointCorruptedError):
+        decode_marker(json.dumps(doc).encode(), "x")
+    doc["metrics"] = [["x", 1]]
+    assert _errors(validators["marker"], doc) != []
+    with pytest.raises(CheckpointCorruptedError):
+        decode_marker(json.dumps(doc).encode(), "x")
+
+
+def test_an_empty_metrics_object_is_not_what_writers_write(validators: dict[str, Any]) -> None:
+    doc = json.loads((METRICS_ROOT / layout.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
+    doc["metrics"] = {}
+    assert _errors(validators["marker"], doc) != []
+    with pytest.raises(CheckpointCorruptedError):
+        decode_marker(json.dumps(doc).encode(), "x")

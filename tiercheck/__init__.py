@@ -14,6 +14,7 @@ from .errors import (
     SnapshotChangedError,
     StateMismatchError,
     StepConflictError,
+    StepInFlightError,
     TiercheckError,
     TierError,
     UnsupportedStateError,
@@ -21,7 +22,8 @@ from .errors import (
 )
 from .events import SaveStats
 from .handle import DrainReport, SaveHandle, WaitTimeoutError
-from .retention import KeepAll, KeepEvery, KeepLast, RetentionPolicy
+from .retention import KeepAll, KeepBest, KeepEvery, KeepLast, RetentionPolicy
+from .schedule import Every, SavePolicy
 
 __version__ = "0.1.0"
 
@@ -32,17 +34,21 @@ __all__ = [
     "CoordinationError",
     "DirectoryInUseError",
     "DrainReport",
+    "Every",
     "InvalidArgumentError",
     "KeepAll",
+    "KeepBest",
     "KeepEvery",
     "KeepLast",
     "NoCheckpointError",
     "RetentionPolicy",
     "SaveHandle",
+    "SavePolicy",
     "SaveStats",
     "SnapshotChangedError",
     "StateMismatchError",
     "StepConflictError",
+    "StepInFlightError",
     "TierError",
     "TiercheckError",
     "UnsupportedStateError",

@@ -29,7 +29,7 @@ from typing import Any
 from . import __version__, cli_goodput
 from .checkpointer import _with_timeouts
 from .errors import CheckpointCorruptedError, TiercheckError
-from .manifest import Manifest
+from .manifest import Manifest, Marker
 from .progress import part_of, terminal_bar
 from .restore import present_manifests, read_marker, verify_files
 from .retry import RetryPolicy
@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
                 entries = sum(len(m.entries) for m in manifests)
                 print(
                     f"{step}\t{_ranks(manifests, marker.world_size)}\t{entries} entries\t{size} bytes"
-                    f"\t{tier.path_of(step)}"
+                    f"\t{tier.path_of(step)}{_metrics_column(marker)}"
                 )
             except TiercheckError as exc:
                 bad += 1
@@ -187,6 +187,13 @@ def _run(args: argparse.Namespace) -> int:
             bad += 1
             print(f"step {step}: FAILED: {_one_line(str(exc))}")
     return 1 if bad else 0
+
+
+def _metrics_column(marker: Marker) -> str:
+    """``\tval_loss=0.31 epoch=3``: the step's recorded metrics (repr: exact), or nothing."""
+    if not marker.metrics:
+        return ""
+    return "\t" + " ".join(f"{name}={value!r}" for name, value in marker.metrics)
 
 
 def _open_tier(loc: str, options: dict[str, Any], timeout: float) -> Tier:

@@ -51,3 +51,16 @@ def load(
     result = found.value
     assert isinstance(result, dict)
     return result
+
+
+def read_tiers(
+    local: str | os.PathLike[str] | None, remote: str | None, storage_options: Mapping[str, Any] | None = None
+) -> list[Tier]:
+    """Tiers to read from (fastest first), as a `Checkpointer` with these options has them,
+    without starting anything: for readers on ranks or processes that never save."""
+    tiers: list[Tier] = []
+    if local is not None:
+        tiers.append(LocalTier(local))
+    if remote is not None:
+        tiers.append(RemoteTier(remote, storage_options))
+    return tiers

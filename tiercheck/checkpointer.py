@@ -17,11 +17,14 @@ from typing import Any, TypeVar
 import torch
 
 from .checksum import ALGORITHMS
-from .coordination import Group, from_process_group, join_group
+from .coordination import Group, SaveRequests, from_process_group, join_group
 from .errors import (
+    CheckpointCorruptedError,
     ClosedError,
     InvalidArgumentError,
+    NoCheckpointError,
     StepConflictError,
+    StepInFlightError,
     TiercheckError,
     TierError,
     UnsupportedStateError,
@@ -31,13 +34,14 @@ from .handle import DrainReport, SaveHandle, WaitTimeoutError
 from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
 from .progress import ProgressCallback
-from .restore import restore_collective, restore_from
+from .restore import read_marker, restore_collective, restore_from
 from .retarget import Key, balance
 from .retention import RetentionPolicy, as_policy
 from .retry import RetryPolicy
 from .runlog import DEFAULT_INTERVAL, RunLog
+from .schedule import SavePolicy
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
-from .state import FlatState, flatten_state
+from .state import FlatState, flatten_state, metric_values
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
@@ -45,6 +49,7 @@ from .tiers.remote import RemoteTier
 __all__ = ["Checkpointer"]
 
 T = TypeVar("T")
+_DEFAULT_GRACE_S = 30.0  # drain time after a preemption save on a rank without a SIGTERM handler
 
 
 class Checkpointer:
@@ -92,6 +97,14 @@ class Checkpointer:
             bounded by n plus milestones; steps tier 2 would keep (`KeepEvery` milestones,
             everything under the default ``keep_remote=None``) are always uploaded. "all"
             uploads every step, in order.
+        remote_concurrency: parts of one upload, or ranges of one read, in flight at once on
+            tier 2 (S3, Azure, GCS). One connection carries ~50-100 MB/s; a node's uplink needs
+            several. An upload holds at most this many parts beyond the host buffer; see
+            docs/remote.md.
+        remote_part_size: bytes per part of a multipart upload (default 16 MiB; more when a
+            shard would need more parts than the store allows, less for a shard smaller than
+            `remote_concurrency` parts). Larger parts mean fewer requests per second, which
+            matters with thousands of ranks (S3: 3,500 PUT/s per prefix; docs/scaling.md).
         remote_compression: None (default) or "zstd": store shards zstd-1 compressed on tier 2.
             Measured here: ~0.65 GB/s per core, ratio 1.08 on fp32 and 1.29 on bf16 weights;
             worth it only when the uplink is slower than that.
@@ -130,6 +143,10 @@ class Checkpointer:
             10 s), plus a heartbeat file overwritten about once a second, so a crash loses at
             most a second of it on tier 1 (one interval on tier 2). Nothing is written before
             the first `save()` or timed batch. None keeps no run log. See docs/goodput.md.
+        interval: when `should_save`/`maybe_save` say a save is due: a `SavePolicy` such as
+            ``Every(steps=500) | Every(seconds=1800)`` (None: only after a preemption signal,
+            see `install_sigterm_handler`). In a job, the time-based part follows rank 0's
+            clock and every rank saves at the same step.
 
     Raises:
         InvalidArgumentError: no tier given, or an invalid option (also a ValueError).
@@ -165,6 +182,8 @@ class Checkpointer:
         remote_timeout: float = 30.0,
         upload_backlog: str = "newest",
         remote_compression: str | None = None,
+        remote_concurrency: int = 8,
+        remote_part_size: int = 16 << 20,
         overlap: bool = False,
         low_priority: bool = True,
         rank: int | None = None,
@@ -174,6 +193,7 @@ class Checkpointer:
         replicated_writer: int | str = "balance",
         coordination_timeout: float = 600.0,
         run_log_interval: float | None = DEFAULT_INTERVAL,
+        interval: SavePolicy | None = None,
     ) -> None:
         if local is None and remote is None:
             raise InvalidArgumentError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
@@ -190,6 +210,17 @@ class Checkpointer:
             raise InvalidArgumentError(
                 f"run_log_interval must be None or a number of seconds >= 0, got {run_log_interval!r}"
             )
+        if interval is not None and not isinstance(interval, SavePolicy):
+            raise InvalidArgumentError(
+                f"interval must be a save policy such as tiercheck.Every(steps=500), got {interval!r}"
+            )
+        self._interval = interval
+        self._last_save_time = time.monotonic()
+        self._last_saved: int | None = None
+        self._asked: tuple[int, bool] | None = None  # the last should_save (step, answer)
+        self._preempt_pending = False  # single rank: a SIGTERM asked for a save
+        self._preempted = False
+        self._sigterm: _SigtermState | None = None
         self._replicated = _replicated_keys(replicated)
         if not (
             replicated_writer == "balance" or (type(replicated_writer) is int and 0 <= replicated_writer < world_size)
@@ -214,6 +245,8 @@ class Checkpointer:
                 op_timeout=remote_timeout,
                 write_rate=remote_write_rate,
                 compression=remote_compression,
+                concurrency=remote_concurrency,
+                block_size=remote_part_size,
             )
         )
         self._tiers: list[Tier] = [t for t in (self._local, self._remote) if t is not None]
@@ -243,6 +276,7 @@ class Checkpointer:
             run_log_interval,
             self._pipeline.submit_side_task if self._remote is not None else None,
         )
+        self._requests = None if self._group is None else SaveRequests(self._group.coord)
         # A fork() child gets a copy of this object but none of the pipeline's threads: it
         # compares its pid with this one and does nothing (see `_check_process`).
         self._pid = os.getpid()
@@ -403,7 +437,14 @@ class Checkpointer:
             plan = self._plans[sig] = plan_shard(flat.leaves)
         return plan
 
-    def save(self, step: int, state: Mapping[Any, Any], *, overlap: bool | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        state: Mapping[Any, Any],
+        *,
+        overlap: bool | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
         """Snapshot `state` as `step` and return once it is copied into host memory.
 
         The caller may modify every tensor in `state` as soon as this returns; the saved
@@ -427,6 +468,12 @@ class Checkpointer:
         committed steps after the restored one (the abandoned branch) are deleted first, so
         that a later restore can never pick them up.
 
+        ``metrics={"val_loss": 0.31, "epoch": 3}`` records numbers with the step, in its
+        commit marker: `metrics(step)` and ``tiercheck ls`` read them without loading any
+        tensor, and `KeepBest` retention ranks steps by them. Values are ints or floats
+        (NaN, infinities and -0.0 kept exactly) or one-element real tensors/numpy values
+        (read with ``.item()``, exactly). In a job, rank 0's metrics are recorded.
+
         The first `save()` (or `prepare()`) makes this Checkpointer the writer of this rank's
         part of the tier-1 directory: it takes an OS lock there (released at `close()` or when
         the process dies), removes the leftovers of interrupted saves, and starts uploading the
@@ -434,7 +481,8 @@ class Checkpointer:
         only reads, so an evaluation script can `restore()` while a job writes.
 
         Raises:
-            UnsupportedStateError: a value that cannot be stored; names its key path.
+            UnsupportedStateError: a value that cannot be stored; names its key path
+                (or a metric that is not a number; names the metric).
             DirectoryInUseError: another live Checkpointer writes this rank of the directory.
             StepConflictError: `step` is not newer than the existing or pending steps.
             TierError: an earlier background save failed (raised once).
@@ -449,11 +497,14 @@ class Checkpointer:
             submitted = False  # from then on the pipeline reports this step's fate to the other ranks
             try:
                 self._raise_background_errors()
+                recorded = metric_values(metrics)
                 flat, replicated, remote_owners = self._flatten(state)
                 self._pipeline.become_writer(self.rank, self.world_size)
                 self._claim_step(step)
                 plan = self._plan_for(flat)
-                handle = SaveHandle(step, [t.name for t in self._tiers], self._pipeline.error_seen)
+                handle = SaveHandle(
+                    step, [t.name for t in self._tiers], self._pipeline.error_seen, self._pipeline.call_soon
+                )
                 stats = handle.stats
                 allocations = self._pool.allocations
                 t1 = time.perf_counter()
@@ -483,6 +534,7 @@ class Checkpointer:
                     progress=None if overlapped else StageProgress(),
                     replicated=replicated,
                     remote_owners=remote_owners,
+                    metrics=recorded,
                 )
                 if overlapped:
                     try:
@@ -521,7 +573,154 @@ class Checkpointer:
             stats.stall_s = t3 - t0
             self._latest_known = step
             self._runlog.saved(handle)
+            self._last_saved = step
+            self._last_save_time = time.monotonic()
             return handle
+
+    # -- when to save ----------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at `step`: the `interval` policy says so, or a preemption signal
+        asked for a fresh snapshot (`install_sigterm_handler(fresh=True)`).
+
+        Call it once per step (asking again for the same step gives the same answer), with
+        the same steps on every rank of a job: every rank then gets the same answer. Steps
+        decide alone; the clock (``Every(seconds=)``) is rank 0's, and a save that rank 0's
+        clock or a signal on any rank asks for happens on every rank at the first step of
+        theirs after every rank has seen the request (one store call per step; the step the
+        request is first seen on is not waited at, so this never deadlocks with a training
+        loop's own collectives). Alone, a signal makes the very next call true.
+
+        Raises:
+            CoordinationError: another rank did not see a save request within
+                `coordination_timeout` (it stopped calling `should_save`).
+        """
+        if type(step) is not int or step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        self._check_open()
+        if self._asked is not None and self._asked[0] == step:
+            return self._asked[1]
+        policy = self._interval
+        due = policy is not None and policy.due_by_step(step, self._last_saved)
+        clock_due = policy is not None and policy.due_by_clock(time.monotonic() - self._last_save_time)
+        requests = self._requests
+        if requests is None:
+            due = due or clock_due or self._preempt_pending
+            if self._preempt_pending:
+                self._preempt_pending = False
+                self._preempted = True
+        else:
+            if clock_due and self.rank == 0 and not requests.requested:
+                requests.request("interval")
+            if self._preempt_pending:
+                self._preempt_pending = False
+                requests.request("preempt")
+            agreed = requests.poll(step)
+            if agreed is not None:
+                due = True
+                self._preempted = self._preempted or "preempt" in agreed
+        self._asked = (step, due)
+        return due
+
+    def maybe_save(self, step: int, state: Mapping[Any, Any], **kwargs: Any) -> SaveHandle | None:
+        """`save(step, state, **kwargs)` if `should_save(step)`, else None.
+
+        After a preemption signal (`install_sigterm_handler(fresh=True)`), the save it asked
+        for is drained (tier 1 first, then tier 2, within what is left of the grace period),
+        and on the rank that received the signal, the signal then does what it did before
+        the handler was installed (the default: terminate the process).
+
+        Example:
+            >>> ckpt = tiercheck.Checkpointer("ckpt", interval=tiercheck.Every(steps=500))  # doctest: +SKIP
+            >>> for step in range(start, n_steps):                                          # doctest: +SKIP
+            ...     train_step()
+            ...     ckpt.maybe_save(step, state)
+            ...     if ckpt.preempted:
+            ...         break
+        """
+        preempted_before = self._preempted
+        if not self.should_save(step):
+            return None
+        handle = self.save(step, state, **kwargs)
+        if self._preempted and not preempted_before:
+            self._finish_preemption()
+        return handle
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption save was agreed (on every rank of a job, whichever rank
+        received the signal): a training loop may stop after that save."""
+        return self._preempted
+
+    def _finish_preemption(self) -> None:
+        sig = self._sigterm
+        if sig is None:  # a rank without the handler, saving for another rank's signal
+            grace = _DEFAULT_GRACE_S
+        elif sig.received:
+            grace = max(0.0, sig.deadline - time.monotonic())
+        else:
+            grace = sig.grace_s
+        report = self.drain(grace)
+        logger.warning("tiercheck: preemption snapshot drained: %s", report)
+        if sig is not None and sig.received:
+            sig.deliver()
+
+    # -- deleting and reading metadata -------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        """Delete committed `step` from every tier: on each, the commit marker first, so a
+        crash midway leaves the step invisible, never half there.
+
+        The newest committed step may be deleted too (`latest_step()` is then the one
+        before it); a step still being written or uploaded is refused. In a job, call it on
+        every rank: one rank per directory deletes.
+
+        Like `save()`, it makes this Checkpointer the writer of its tier-1 directory.
+
+        Raises:
+            StepInFlightError: `step` is still being written or uploaded (wait for it first).
+            NoCheckpointError: `step` is not committed on any tier.
+            TierError: a tier failed to delete it (the other tiers were still tried).
+            DirectoryInUseError: another live Checkpointer writes this directory.
+            ClosedError: the Checkpointer is closed, or was inherited through fork().
+        """
+        if type(step) is not int or step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        self._check_process()
+        with self._lock:
+            self._check_open()
+            holders = [t for t in self._tiers if step in t.committed_steps()]
+            if not holders:
+                if step in self._pipeline.in_flight():
+                    raise StepInFlightError(f"cannot delete step {step}: it is still being written", step=step)
+                where = ", ".join(f"{t.name}={t.location}" for t in self._tiers)
+                raise NoCheckpointError(f"step {step} is not committed on any tier ({where})")
+            mine = [t for t in holders if self._group is None or self._group.leads(t.name)]
+            self._pipeline.become_writer(self.rank, self.world_size)  # deleting is writing
+            self._pipeline.delete_step(step, mine)
+            if self._latest_known == step:
+                self._latest_known = None  # re-derived from the tiers at the next save
+
+    def metrics(self, step: int) -> dict[str, int | float]:
+        """The metrics recorded with committed `step` (`save(..., metrics=)`), read from its
+        commit marker only (no tensor is loaded); {} if none were recorded.
+
+        Raises:
+            NoCheckpointError: `step` is not committed on any tier.
+            CheckpointCorruptedError: its marker fails verification on every tier holding it.
+        """
+        errors: list[str] = []
+        for tier in self._tiers:
+            try:
+                return dict(read_marker(tier, step).metrics)
+            except NoCheckpointError:
+                continue
+            except (CheckpointCorruptedError, OSError) as exc:
+                errors.append(f"tier {tier.name!r}: {exc}")
+        if errors:
+            raise CheckpointCorruptedError(f"cannot read the metrics of step {step}: {'; '.join(errors)}")
+        where = ", ".join(f"{t.name}={t.location}" for t in self._tiers)
+        raise NoCheckpointError(f"step {step} is not committed on any tier ({where})")
 
     def _abandon(self, step: int, exc: BaseException) -> None:
         """save() failed on this rank before the step reached the pipeline: tell the other
@@ -680,25 +879,39 @@ class Checkpointer:
         self._runlog.drained(report, time.perf_counter() - t0)
         return report
 
-    def install_sigterm_handler(self, grace_s: float = 30.0) -> None:
-        """On SIGTERM (preemption), drain for up to `grace_s` seconds, then let the signal
-        do what it did before (the previous handler, or terminate). Call from the main thread.
+    def install_sigterm_handler(self, grace_s: float = 30.0, *, fresh: bool = False) -> None:
+        """Handle SIGTERM (preemption). Call from the main thread.
 
-        The drain makes the newest snapshot already in host memory durable; to capture the
-        very latest state too, call `save()` from your own handler first.
+        By default, the handler drains for up to `grace_s` seconds (making the newest
+        snapshot already in host memory durable), then lets the signal do what it did
+        before (the previous handler, or terminate).
+
+        With ``fresh=True`` the handler only takes note: the next `should_save` is true (on
+        every rank of a job at the same step, agreed through the job's store, also when one
+        rank alone received the signal), so a fresh snapshot of the current state is taken;
+        `maybe_save` then drains it within what is left of `grace_s` and lets the signal do
+        what it did before, on the rank(s) that received it; `preempted` turns true on every
+        rank. The training loop must keep calling `should_save`/`maybe_save` for this.
         """
         previous = signal.getsignal(signal.SIGTERM)
         me = weakref.ref(self)
+        state = _SigtermState(grace_s, previous)
+        self._sigterm = state if fresh else None
 
         def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
             ckpt = me()
-            if ckpt is not None and not ckpt._closed and not ckpt._forked():
+            usable = ckpt is not None and not ckpt._closed and not ckpt._forked()
+            if fresh and usable:
+                assert ckpt is not None
+                state.received = True
+                state.frame = frame
+                state.deadline = time.monotonic() + grace_s
+                ckpt._preempt_pending = True
+                return
+            if usable:
+                assert ckpt is not None
                 ckpt.drain(grace_s)
-            signal.signal(signal.SIGTERM, previous)
-            if callable(previous):
-                previous(signum, frame)
-            elif previous == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGTERM)
+            state.deliver(frame)
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
@@ -714,6 +927,9 @@ class Checkpointer:
         if self._forked():  # no lock: a parent's thread may have held it at the fork
             self._finalizer.detach()
             return
+        if not self._closed:
+            # First without the lock: a done callback may call delete() or metrics().
+            self._pipeline.wait_idle()
         with self._lock:
             if self._closed:
                 return
@@ -783,6 +999,7 @@ class Checkpointer:
             raise InvalidArgumentError(f"restore() needs a mutable mapping as template, got {type(state).__name__}")
         if step is not None and (type(step) is not int or step < 0):
             raise InvalidArgumentError(f"step must be a non-negative int or None, got {step!r}")
+        self._pipeline.wait_idle()  # without the lock first: a done callback may call delete()
         with self._lock:
             self._check_open()
             t0 = time.perf_counter()
@@ -810,6 +1027,26 @@ class Checkpointer:
             self._seen_at_restore = found.committed
             self._latest_known = None  # re-derived at the next save
             return found.step
+
+
+@dataclasses.dataclass(slots=True)
+class _SigtermState:
+    """What `install_sigterm_handler(fresh=True)` remembers between the signal and the save."""
+
+    grace_s: float
+    previous: Any  # the disposition before ours: a callable, SIG_DFL, SIG_IGN or None
+    received: bool = False
+    deadline: float = 0.0
+    frame: types.FrameType | None = None
+
+    def deliver(self, frame: types.FrameType | None = None) -> None:
+        """Let SIGTERM do what it did before the handler (main thread only)."""
+        previous = self.previous
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signal.SIGTERM, frame if frame is not None else self.frame)
+        elif previous == signal.SIG_DFL or previous is None:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _balance(keys: list[Any], nbytes: Mapping[object, int], ranks: Iterable[int]) -> dict[object, int]:

@@ -24,6 +24,22 @@ instead of hanging them. The protocol, per step and tier (keys under
 Waits poll with backoff (2 ms up to 50 ms per 1000 ranks, at most 1 s), each bounded by
 the timeout: rank 0 waits that long for the reports, the others twice that for the verdict.
 
+Save requests (keys under ``save/<round>/``; `SaveRequests`): a save that one rank decides on
+its own (a SIGTERM it received; rank 0's clock for ``Every(seconds=...)``) must happen on every
+rank at the same step, without a barrier at every step. Every rank calls
+``Checkpointer.should_save`` with the same steps:
+
+1. a rank with a request ``append``s to ``want``; every rank checks ``want`` (one store call)
+   at each `should_save`;
+2. the first time a rank sees it, it sets ``at/<rank>`` to its current step (and its own
+   reasons) and ``add``s 1 to ``n``; it returns False for that step;
+3. at its next call, a rank waits (bounded by the timeout) until ``n`` counts every rank,
+   then reads every ``at/<rank>``: the save step is the first call with a step above their
+   maximum, the same on every rank. A rank never waits at the step it registered at, so a
+   rank behind it (in a collective of the training loop, say) always reaches its own
+   registration: the wait cannot deadlock a job whose ranks call `should_save` in step;
+4. after the save step each rank ``add``s 1 to ``done``; the last one deletes the round's keys.
+
 Restore agreement (keys under ``g<generation>/restore/``, deleted once every rank is done):
 each rank publishes the steps its own tier 1 holds; rank 0 adds what the shared tier 2
 holds and publishes the candidates, newest first, that every rank can read (tier 2, or
@@ -46,7 +62,7 @@ from typing import Any
 
 from .errors import CoordinationError
 
-__all__ = ["CoordinationError", "Coordinator", "from_process_group", "instance_prefix"]
+__all__ = ["CoordinationError", "Coordinator", "SaveRequests", "from_process_group", "instance_prefix"]
 
 
 _instances = 0
@@ -347,6 +363,78 @@ class Coordinator:
         keys = [f"{base}{k}" for k in ("n", "plan", "ack")]
         keys += [f"{base}r{i}/{k}" for i in range(rounds) for k in ("n", "bad", "fatal", "why")]
         self._delete(keys)
+
+
+class SaveRequests:
+    """One rank's end of the save-request protocol above (a job of more than one rank).
+
+    Args:
+        coord: this rank's coordinator (its store connection, rank, size and timeout).
+    """
+
+    def __init__(self, coord: Coordinator) -> None:
+        self._coord = coord
+        self.round = 0
+        self._pending: set[str] = set()  # this rank's own reasons, not yet registered
+        self._registered: int | None = None  # the step this rank registered at, this round
+        self._above: int | None = None  # every rank's registrations' maximum, once known
+        self._reasons: frozenset[str] = frozenset()
+
+    def request(self, reason: str) -> None:
+        """Ask for a save on every rank (published at the next `poll`)."""
+        self._pending.add(reason)
+
+    @property
+    def requested(self) -> bool:
+        """A request of this rank is pending, or a round is in progress."""
+        return bool(self._pending) or self._registered is not None
+
+    def _base(self) -> str:
+        return f"save/{self.round}/"
+
+    def poll(self, step: int) -> frozenset[str] | None:
+        """Called once per step, with the same steps on every rank. Returns the reasons
+        (``{"preempt"}``, ``{"interval"}``) when every rank saves at `step`, else None.
+
+        Raises:
+            CoordinationError: another rank did not register within the timeout.
+        """
+        coord, base = self._coord, self._base()
+        if self._registered is None:
+            if self._pending:
+                wanted = ",".join(sorted(self._pending))
+                coord._op(functools.partial(_append, key=f"{base}want", value=wanted + ";"))
+            elif not coord._has(f"{base}want"):
+                return None
+            mine = sorted(self._pending)
+            self._pending.clear()
+            coord._op(lambda s: s.set(f"{base}at/{coord.rank}", json.dumps([step, mine])))
+            self._registered = step
+            if int(coord._op(lambda s: s.add(f"{base}n", 1))) >= coord.world_size:
+                self._learn(base)
+            return None
+        if self._above is None:
+            deadline = time.monotonic() + coord.timeout
+            what = f"every rank to see the save request of round {self.round}"
+            coord._poll(lambda: coord._count(f"{base}n") >= coord.world_size, deadline, what)
+            self._learn(base)
+        assert self._above is not None
+        if step <= self._above:
+            return None
+        reasons = self._reasons
+        if int(coord._op(lambda s: s.add(f"{base}done", 1))) >= coord.world_size:
+            keys = [f"{base}at/{r}" for r in range(coord.world_size)]
+            coord._delete([*keys, f"{base}want", f"{base}n", f"{base}done"])
+        self.round += 1
+        self._registered = self._above = None
+        self._reasons = frozenset()
+        return reasons
+
+    def _learn(self, base: str) -> None:
+        coord = self._coord
+        docs = [json.loads(v) for v in coord._get_many([f"{base}at/{r}" for r in range(coord.world_size)])]
+        self._above = max(int(d[0]) for d in docs)
+        self._reasons = frozenset(r for d in docs for r in d[1])
 
 
 def _delete_key(store: Any, key: str) -> None:

@@ -12,6 +12,7 @@ __all__ = [
     "SnapshotChangedError",
     "StateMismatchError",
     "StepConflictError",
+    "StepInFlightError",
     "TierError",
     "TiercheckError",
     "UnsupportedStateError",
@@ -59,6 +60,18 @@ class SnapshotChangedError(TiercheckError, RuntimeError):
 
 class StepConflictError(TiercheckError, FileExistsError):
     """`save()` was asked for a step that is not newer than existing or pending steps."""
+
+
+class StepInFlightError(TiercheckError, RuntimeError):
+    """`Checkpointer.delete(step)` was asked for a step still being written or uploaded.
+
+    Attributes:
+        step: that step; wait for its handle, then delete it.
+    """
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class CoordinationError(TiercheckError, TimeoutError):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .errors import ClosedError, InvalidArgumentError, TiercheckError, TierError
 from .events import SaveStats
 
-__all__ = ["DrainReport", "SaveHandle", "WaitTimeoutError"]
+__all__ = ["DoneCallback", "DrainReport", "SaveHandle", "WaitTimeoutError"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,10 @@ class DrainReport:
     errors: tuple[TierError, ...] = ()
 
 
+DoneCallback = Callable[["SaveHandle", str, "TiercheckError | None"], None]
+"""``fn(handle, tier, error)``: see `SaveHandle.add_done_callback`."""
+
+
 class WaitTimeoutError(TiercheckError, TimeoutError):
     """`wait(timeout=...)` ran out before the save was durable."""
 
@@ -42,7 +46,13 @@ class SaveHandle:
         >>> h.done()                         # durable on every tier  # doctest: +SKIP
     """
 
-    def __init__(self, step: int, tiers: Sequence[str], on_error_seen: Callable[[TierError], None]) -> None:
+    def __init__(
+        self,
+        step: int,
+        tiers: Sequence[str],
+        on_error_seen: Callable[[TierError], None],
+        call_soon: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
         self.step = step
         self.tiers = tuple(tiers)
         self.stats = SaveStats(step=step)
@@ -52,6 +62,9 @@ class SaveHandle:
         self._staged.set()  # cleared by the checkpointer for an overlapped save
         self._errors: dict[str, TiercheckError] = {}
         self._on_error_seen = on_error_seen
+        self._call_soon = call_soon
+        self._lock = threading.Lock()
+        self._callbacks: list[DoneCallback] = []
         self._pid = os.getpid()
 
     def __repr__(self) -> str:
@@ -119,9 +132,66 @@ class SaveHandle:
                     self._on_error_seen(err)
                 raise err
 
+    def exception(self, tier: str | None = None, timeout: float | None = None) -> TiercheckError | None:
+        """The error the step ended with on `tier` (the first failing tier if None), or None
+        once it is durable there; waits like `wait` but raises nothing of the step's own.
+
+        Raises:
+            WaitTimeoutError: `timeout` seconds passed first.
+            ClosedError: called in a fork() child while the save is pending.
+        """
+        self._check_process(not self.done(tier))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._tiers(tier):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._events[t].wait(left):
+                raise WaitTimeoutError(f"step {self.step} not durable on tier {t!r} after {timeout}s")
+            if t in self._errors:
+                return self._errors[t]
+        return None
+
+    def add_done_callback(self, fn: DoneCallback) -> None:
+        """Call ``fn(handle, tier, error)`` once per tier when the step is durable there
+        (`error` None) or failed there (`error` the `TiercheckError`, e.g. `TierError` or
+        `UploadSkippedError`), as `concurrent.futures.Future.add_done_callback` does.
+
+        Callbacks run one at a time on a background thread of the Checkpointer, never on
+        the writer or uploader, so a slow callback delays other callbacks, not a save; for
+        tiers already finished they are queued at once. An exception in a callback is logged
+        and ignored. `Checkpointer.wait()` and `close()` also wait for queued callbacks
+        (except when called from a callback). After `close()`, a callback added to a
+        finished handle runs on the calling thread.
+
+        Example:
+            >>> h = ckpt.save(100, state)                                     # doctest: +SKIP
+            >>> h.add_done_callback(lambda h, tier, err: print(h.step, tier, err))  # doctest: +SKIP
+        """
+        with self._lock:
+            self._callbacks.append(fn)
+            finished = [t for t in self.tiers if self._events[t].is_set()]
+        for t in finished:
+            self._dispatch(fn, t, self._errors.get(t))
+
+    def _dispatch(self, fn: DoneCallback, tier: str, error: TiercheckError | None) -> None:
+        run = self._bind(fn, tier, error)
+        if self._call_soon is None:
+            run()
+        else:
+            self._call_soon(run)
+
+    def _bind(self, fn: DoneCallback, tier: str, error: TiercheckError | None) -> Callable[[], None]:
+        def run() -> None:
+            fn(self, tier, error)
+
+        return run
+
     # -- called by the pipeline --------------------------------------------------
 
-    def _finish(self, tier: str, error: TiercheckError | None = None) -> None:
-        if error is not None:
-            self._errors[tier] = error
-        self._events[tier].set()
+    def _finish(self, tier: str, error: TiercheckError | None = None) -> list[Callable[[], None]]:
+        """Record the outcome on `tier`; return the done callbacks to run for it (the
+        pipeline queues them on its callback thread)."""
+        with self._lock:
+            if error is not None:
+                self._errors[tier] = error
+            self._events[tier].set()
+            return [self._bind(fn, tier, error) for fn in self._callbacks]

@@ -34,6 +34,7 @@ _NODE_TYPES = frozenset(
 )  # fmt: skip
 _LEAF_NODE_TYPES = frozenset({"tensor", "ndarray", "npscalar", "bytes"})
 _MAX_INT_DIGITS = 4300  # Python's default int-from-str limit
+MAX_METRIC_NAME = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +93,17 @@ class ManifestRef:
     checksum: str
 
 
+Metric = int | float  # a value recorded with a step: `save(..., metrics={"val_loss": 0.31})`
+
+
 @dataclass(frozen=True, slots=True)
 class Marker:
     step: int
     world_size: int
     checksum_algorithm: str
     manifests: tuple[ManifestRef, ...]
+    # (name, value) pairs in the order given to save(); optional in the format (absent: none).
+    metrics: tuple[tuple[str, Metric], ...] = ()
 
 
 def build_entries(
@@ -175,7 +181,16 @@ def encode_marker(m: Marker) -> bytes:
         "checksum_algorithm": m.checksum_algorithm,
         "manifests": [{"name": r.file, "length": r.length, "checksum": r.checksum} for r in m.manifests],
     }
+    if m.metrics:  # absent when empty: markers without metrics stay byte-identical
+        doc["metrics"] = {name: _metric_node(v) for name, v in m.metrics}
     return _dump(doc)
+
+
+def _metric_node(v: Metric) -> dict[str, str]:
+    if type(v) is int:
+        return {"t": "int", "v": str(v)}
+    assert type(v) is float
+    return {"t": "float", "v": v.hex()}
 
 
 def _dump(doc: dict[str, Any]) -> bytes:
@@ -234,6 +249,7 @@ _UNRECOGNISED = _Unrecognised()
 _ENTRY_FIELDS = frozenset({"path", "kind", "dtype", "shape", "file", "offset", "length", "checksum"})
 _NODE_TYPE_NAMES = {t: t for t in _NODE_TYPES}
 _VALUE_NODES = frozenset({"int", "float", "str"})
+_METRIC_NODES = frozenset({"int", "float"})
 
 
 def _compacting_hook() -> Callable[[dict[str, Any]], object]:
@@ -285,6 +301,8 @@ def _compacting_hook() -> Callable[[dict[str, Any]], object]:
             return node(obj, obj["t"])
         if "format" in obj and "version" in obj:  # the document itself
             return obj
+        if obj and all(type(v) is dict and v.get("t") in _METRIC_NODES for v in obj.values()):
+            return obj  # a marker's metrics: name -> int or float node
         if obj.keys() >= _ENTRY_FIELDS:
             for field in ("kind", "dtype", "file", "codec"):
                 v = obj.get(field)
@@ -347,7 +365,44 @@ def decode_marker(data: bytes, where: str) -> Marker:
         refs.append(ManifestRef(name, _int(r, "length", w, 0, 1 << 40), _checksum_text(_str(r, "checksum", w), w)))
     if len(refs) != world:
         raise _fail(where, f"lists {len(refs)} manifests for world size {world}")
-    return Marker(step, world, algo, tuple(refs))
+    return Marker(step, world, algo, tuple(refs), _metrics(doc, where))
+
+
+def _metrics(doc: dict[str, Any], where: str) -> tuple[tuple[str, Metric], ...]:
+    """The optional `metrics` object: metric name -> an int or float node of the tree's form."""
+    raw = doc.get("metrics", {})
+    if type(raw) is not dict:
+        raise _fail(where, "field 'metrics' must be a non-empty object of metric name -> int or float node")
+    out: list[tuple[str, Metric]] = []
+    for name, node in raw.items():
+        w = f"{where} metrics[{name[:40]!r}]"
+        if not name or len(name) > MAX_METRIC_NAME:
+            raise _fail(w, f"a metric name must have 1 to {MAX_METRIC_NAME} characters")
+        if type(node) is not dict or set(node) != {"t", "v"} or node["t"] not in ("int", "float"):
+            raise _fail(w, 'must be {"t": "int" or "float", "v": text}')
+        v = node["v"]
+        if type(v) is not str:
+            raise _fail(w, "value must be a string")
+        value = _canonical_number(node["t"], v)
+        if value is None:
+            raise _fail(w, f"bad {node['t']} literal {v[:40]!r}")
+        out.append((name, value))
+    return tuple(out)
+
+
+def _canonical_number(kind: str, text: str) -> Metric | None:
+    """The value of `text` if it is the writer's exact spelling (``str(int)``, ``float.hex()``),
+    so that one value has one text; else None."""
+    try:
+        if kind == "int":
+            if len(text) > _MAX_INT_DIGITS:
+                return None
+            i = int(text)
+            return i if str(i) == text else None
+        f = float.fromhex(text)
+    except (ValueError, OverflowError):
+        return None
+    return f if f.hex() == text else None
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:

@@ -39,13 +39,21 @@ from dataclasses import dataclass, field
 from . import layout
 from .checksum import checksum_function
 from .coordination import CoordinationError, Group, PartReport
-from .errors import ClosedError, InvalidArgumentError, TiercheckError, TierError, UploadSkippedError
+from .errors import (
+    ClosedError,
+    InvalidArgumentError,
+    StepInFlightError,
+    TiercheckError,
+    TierError,
+    UploadSkippedError,
+)
 from .events import emit, logger
 from .handle import SaveHandle
 from .manifest import (
     Manifest,
     ManifestRef,
     Marker,
+    Metric,
     ShardFile,
     assignment_digest,
     build_entries,
@@ -80,6 +88,7 @@ class StagedSave:
     replicated: tuple[tuple[str, str], ...] = ()  # top-level keys the same on every rank
     # Node-local tier 1: who uploads each replicated key to tier 2 (empty: as on tier 1).
     remote_owners: tuple[tuple[Key, int], ...] = ()
+    metrics: tuple[tuple[str, Metric], ...] = ()  # recorded in the commit marker
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +149,10 @@ class _Worker:
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
-    def put(self, item: object) -> None:
-        if item is not _STOP:
+    def put(self, item: object, reserved: bool = False) -> None:
+        """Queue `item`; `reserved`: its `unfinished` count was already taken (under the
+        pipeline's lock, which this then does not need)."""
+        if item is not _STOP and not reserved:
             with self._idle:
                 self.unfinished += 1
         with self.cond:
@@ -204,8 +215,8 @@ class Pipeline:
         self._tracks: dict[int, _Track] = {}
         self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
         # Tier-1 steps tier 2 still needs that no handle tracks: catch-up uploads not yet
-        # attempted, and failed uploads that tier-2 retention would keep (`_owe`). Tier-1
-        # retention never deletes them.
+        # attempted, and failed uploads that tier-2 retention would keep (`_settle_owed`).
+        # Tier-1 retention never deletes them.
         self._catching_up: set[int] = set()
         self._owed: set[int] = set()
         self._writing = False
@@ -214,6 +225,15 @@ class Pipeline:
         # Per tier: may unmarked leftovers exist (a crash before this session, a failed step)?
         self._sweep = {t.name: True for t in (local, remote) if t is not None}
         self.newest_durable: dict[str, int] = {}  # per tier, the newest step this session made durable
+        # Retention and Checkpointer.delete take turns deleting steps; `_deleting` holds a
+        # step whose deletion has begun, so no catch-up upload starts on it.
+        self._retention_lock = threading.Lock()
+        self._deleting: set[int] = set()
+        # Per tier: the metrics recorded with each committed step (read once per step, and
+        # only for policies that rank by a metric).
+        self._metrics: dict[str, dict[int, dict[str, Metric]]] = {t.name: {} for t in (local, remote) if t is not None}
+        self._callbacks: _Worker | None = None  # started at the first done callback
+        self._callbacks_stopped = False
         self._closed = False
         # The stager keeps normal priority: an optimizer step may be waiting for it.
         init = lower_current_thread if low_priority else None
@@ -321,9 +341,38 @@ class Pipeline:
             return self._idle.wait_for(lambda: not any(tier in t.remaining for t in self._tracks.values()), timeout)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no step is pending and every queued item (retention, done callbacks)
+        has run; from a done callback, the callbacks queued behind it are not waited for."""
         workers = [w for w in (self._stager, self._writer, self._uploader) if w is not None]
+        me = threading.current_thread()
+
+        def idle() -> bool:
+            cb = self._callbacks  # may start while we wait
+            busy = cb is not None and cb.thread is not me and cb.unfinished > 0
+            return not self._tracks and not busy and not any(w.unfinished for w in workers)
+
         with self._idle:
-            return self._idle.wait_for(lambda: not self._tracks and not any(w.unfinished for w in workers), timeout)
+            return self._idle.wait_for(idle, timeout)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the callback thread (started now if needed); after close, right here.
+        Never called with the pipeline's lock held."""
+        with self._lock:
+            worker = self._callback_worker(1)
+        if worker is None:
+            _run_callback(fn)
+        else:
+            worker.put(fn, reserved=True)
+
+    def _callback_worker(self, n: int) -> _Worker | None:
+        """The callback thread, with `n` items counted as queued; None after close. Call with
+        the lock held."""
+        if self._callbacks_stopped:
+            return None
+        if self._callbacks is None:
+            self._callbacks = _Worker("tiercheck-callbacks", _run_callback, self._idle)
+        self._callbacks.unfinished += n
+        return self._callbacks
 
     def take_errors(self) -> list[TierError]:
         with self._lock:
@@ -346,6 +395,13 @@ class Pipeline:
         for worker in (self._stager, self._writer, self._uploader):
             if worker is not None:
                 worker.thread.join(timeout)
+        # Last: the workers above may still have finished a step (and queued its callbacks).
+        with self._lock:
+            self._callbacks_stopped = True
+        if self._callbacks is not None:
+            self._callbacks.put(_STOP)
+            if threading.current_thread() is not self._callbacks.thread:
+                self._callbacks.thread.join(timeout)
         self._hasher.shutdown(wait=True)
         if self.local is not None and not (self._writer is not None and self._writer.thread.is_alive()):
             self.local.release_writer()  # never while a write may still be running
@@ -373,13 +429,22 @@ class Pipeline:
                 self._errors.append(error)
             if error is None:
                 self.newest_durable[tier] = max(step, self.newest_durable.get(tier, step))
+            runs: list[Callable[[], None]] = []
             if track is not None:
-                track.handle._finish(tier, error)
+                runs = track.handle._finish(tier, error)
                 track.remaining.discard(tier)
                 if not track.remaining:
                     del self._tracks[step]
                     emit(track.handle.stats)
+            # Counted as queued before the step stops counting as pending, so that `wait()`
+            # also waits for them; queued below, outside the lock the callbacks may need.
+            callbacks = self._callback_worker(len(runs)) if runs else None
             self._idle.notify_all()
+        for run in runs:
+            if callbacks is None:
+                _run_callback(run)
+            else:
+                callbacks.put(run, reserved=True)
         if isinstance(error, TierError):
             logger.error("%s", error)
 
@@ -526,8 +591,13 @@ class Pipeline:
         assert isinstance(item, _Upload)
         error = None
         with self._lock:
+            if item.step in self._deleting:  # a catch-up upload of a step being deleted
+                self._catching_up.discard(item.step)
+                return
             self._uploading = item.step
         try:
+            if item.handle is None and self.local is not None and item.step not in self.local.committed_steps():
+                return  # a catch-up upload of a step deleted since (`finally` clears `_uploading`)
             self._copy_from_local(item.step, item.rank, dict(item.remote_owners))
         except Exception as exc:
             error = tier_error(exc, item.step, tier, "uploading")
@@ -722,6 +792,7 @@ class Pipeline:
                 )
             writer.write_file(ref.file, memoryview(manifest_bytes))
             self._commit(dst, writer, step, ref, marker, assignment_digest(manifest))
+            self._remember_metrics(dst, step, marker.metrics)
         except BaseException as exc:
             if not _part_may_commit(exc):
                 writer.abort()
@@ -782,11 +853,12 @@ class Pipeline:
             mname = layout.manifest_name(job.rank, job.world_size)
             writer.write_file(mname, memoryview(manifest))
             ref = ManifestRef(mname, len(manifest), self._checksum(manifest))
-            marker = Marker(job.step, job.world_size, self._checksum_name, ())
+            marker = Marker(job.step, job.world_size, self._checksum_name, (), job.metrics)
             # Node-local tier 1: directories hold their own copies of replicated keys, so ranks
             # agree there on which keys are replicated, not on who holds them.
             owners_agree = not (self._group is not None and self._group.node_local and tier is self.local)
             self._commit(tier, writer, job.step, ref, marker, assignment_digest(doc, owners_agree))
+            self._remember_metrics(tier, job.step, job.metrics)
         except BaseException as exc:
             for f in futures:
                 if not isinstance(f, str):
@@ -812,6 +884,10 @@ class Pipeline:
     def _prune(self, tier: Tier, newest: int | None) -> TierError | None:
         if self._group is not None and not self._group.leads(tier.name):
             return None  # one rank per directory prunes it
+        with self._retention_lock:
+            return self._prune_locked(tier, newest)
+
+    def _prune_locked(self, tier: Tier, newest: int | None) -> TierError | None:
         if isinstance(self._keep[tier.name], KeepAll):
             # Nothing to delete but leftovers, and those only after a failure (or a crash
             # before this session): list once then, not after every step.
@@ -831,9 +907,12 @@ class Pipeline:
                     self._owed.intersection_update(committed)
             # Steps still to be uploaded (or that tier 2 needs) stay on tier 1.
             protected = self._tier1_protected() if tier is self.local else self.in_flight(tier.name)
-            doomed = plan_deletions(committed, self._keep[tier.name], in_flight=protected)
+            policy = self._keep[tier.name]
+            metrics = self._metrics_of(tier, committed) if policy.metric_names else None
+            doomed = plan_deletions(committed, policy, in_flight=protected, metrics=metrics)
             for step in doomed:
                 tier.delete_step(step)
+                self._metrics[tier.name].pop(step, None)
                 logger.debug("retention deleted step %d from tier %s", step, tier.name)
             if committed:
                 self._remove_strays(tier, committed[-1], protected)
@@ -851,6 +930,62 @@ class Pipeline:
                 steps.add(self._uploading)
         return sorted(steps)
 
+    def _remember_metrics(self, tier: Tier, step: int, metrics: tuple[tuple[str, Metric], ...]) -> None:
+        if self._keep[tier.name].metric_names:  # only policies ranking by a metric read them
+            with self._lock:
+                self._metrics[tier.name][step] = dict(metrics)
+
+    def _metrics_of(self, tier: Tier, committed: list[int]) -> dict[int, dict[str, Metric]]:
+        """The recorded metrics of the `committed` steps of `tier`: known ones from this
+        session's commits, the others read from their markers (once). A marker that cannot
+        be read counts as no metrics, so a metric-ranked policy keeps that step."""
+        with self._lock:
+            known = self._metrics[tier.name]
+            present = set(committed)
+            for s in [s for s in known if s not in present]:
+                del known[s]
+            missing = [s for s in committed if s not in known]
+        found: dict[int, dict[str, Metric]] = {}
+        for s in missing:
+            try:
+                found[s] = dict(read_marker(tier, s).metrics)
+            except Exception as exc:
+                logger.warning("tiercheck: cannot read the metrics of step %d on tier %s: %r", s, tier.name, exc)
+        with self._lock:
+            known.update(found)
+            return {s: known.get(s, {}) for s in committed}
+
+    def delete_step(self, step: int, tiers: list[Tier]) -> None:
+        """Delete `step` from `tiers` (marker first on each), between retention passes.
+
+        Raises:
+            StepInFlightError: `step` is still being written or uploaded.
+            TierError: a tier failed; the other tiers were still tried.
+        """
+        with self._retention_lock:
+            with self._lock:
+                if step in self._tracks or self._uploading == step:
+                    raise StepInFlightError(
+                        f"cannot delete step {step}: it is still being written or uploaded; wait for its "
+                        "handle (or Checkpointer.wait()) first",
+                        step=step,
+                    )
+                self._deleting.add(step)
+            errors: list[TierError] = []
+            try:
+                for tier in tiers:
+                    try:
+                        tier.delete_step(step)
+                    except Exception as exc:
+                        errors.append(tier_error(exc, step, tier, "deleting"))
+                    with self._lock:
+                        self._metrics[tier.name].pop(step, None)
+            finally:
+                with self._lock:
+                    self._deleting.discard(step)
+        if errors:
+            raise errors[0]
+
     def _remove_strays(self, tier: Tier, newest: int, protected: list[int]) -> None:
         """Data a crash or a failed step left without a marker (a cut deletion or upload, the
         parts of a multi-rank step that did not commit), older than the newest committed step
@@ -859,6 +994,14 @@ class Pipeline:
             if step < newest and step not in protected:
                 tier.delete_step(step)
                 logger.info("removed unmarked leftovers of step %d from tier %s", step, tier.name)
+
+
+def _run_callback(item: object) -> None:
+    assert callable(item)
+    try:
+        item()
+    except Exception:  # the user's callback: say so, keep the thread for the next one
+        logger.exception("tiercheck: a done callback raised")
 
 
 def _file_reader(path: str) -> Callable[[int, int], bytes]:

@@ -296,3 +296,44 @@ class _Flattener:
 
     def _bytes(self, b: bytes, path: str) -> int:
         return self._add(Leaf(path, "bytes", "uint8", (len(b),), len(b)), b, None)
+
+
+def metric_values(metrics: Mapping[Any, Any] | None) -> tuple[tuple[str, int | float], ...]:
+    """Check the `metrics` of `save()` and return them as (name, value) pairs.
+
+    A value is an int or a float (NaN and infinities included), or a one-element tensor or
+    numpy scalar/array, read with ``.item()`` (exact: every float dtype widens exactly to a
+    Python float). bool is refused, as are names that are not 1 to 256 characters.
+
+    Raises:
+        UnsupportedStateError: names the offending metric.
+    """
+    if metrics is None:
+        return ()
+    if not isinstance(metrics, Mapping):
+        raise UnsupportedStateError(f"metrics must be a mapping of name -> number, got {type(metrics).__name__}")
+    out: list[tuple[str, int | float]] = []
+    for name, value in metrics.items():
+        if type(name) is not str or not 0 < len(name) <= 256:
+            raise UnsupportedStateError(f"metrics[{name!r}]: a metric name must be a str of 1 to 256 characters")
+        v = value
+        if isinstance(v, torch.Tensor):
+            if v.numel() == 1 and not v.dtype.is_complex and v.dtype != torch.bool and v.device.type != "meta":
+                v = v.item()
+        elif isinstance(v, (np.ndarray, np.generic)) and v.size == 1 and v.dtype.kind in "iuf":
+            v = v.item()
+        if type(v) is int:
+            out.append((name, _metric_int(v, name)))
+        elif type(v) is float:
+            out.append((name, v))
+        else:
+            raise UnsupportedStateError(
+                f"metrics[{name!r}]: a metric must be an int or a float (or a one-element real tensor), "
+                f"got {type(value).__name__}"
+            )
+    return tuple(out)
+
+
+def _metric_int(v: int, name: str) -> int:
+    _int_text(v, f"metrics[{name!r}]")
+    return v
