@@ -753,3 +753,16 @@ def test_prune_refuses_while_a_checkpointer_writes_the_directory(
         late.save(800, {"w": torch.zeros(4)})
     late.close()
     assert prune_steps(many_steps, 2).kept == (600, 700)
+
+
+def test_inspect_shows_the_metrics_saved_with_the_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "m"
+    with tiercheck.Checkpointer(local=root) as ck:
+        ck.save(1, {"w": torch.ones(2)}, metrics={"val_loss": 0.3125, "epoch": 3, "bad": float("nan")})
+        ck.save(2, {"w": torch.ones(2)})
+    code, out, _ = run_cli(["inspect", str(root), "--step", "1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["metrics"] == {"val_loss": 0.3125, "epoch": 3, "bad": "nan"}
+    code, text, _ = run_cli(["inspect", str(root), "--step", "1"], capsys)
+    assert "metrics: val_loss=0.3125, epoch=3, bad=nan" in text
+    code, out, _ = run_cli(["inspect", str(root), "--json"], capsys)
+    assert json.loads(out)["metrics"] is None

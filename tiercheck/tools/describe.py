@@ -29,7 +29,7 @@ def describe_step(tiers: Sequence[Tier], step: int | None = None, rank: int = 0)
     Returns:
         A JSON-ready dict: ``step``, ``rank``, ``world_size``, ``checksum_algorithm``,
         ``path``, ``tiers`` (each given tier and whether the step is committed there),
-        ``metrics`` (None until steps carry metrics), ``files``, ``bytes`` and ``leaves``
+        ``metrics`` (those saved with the step, or None), ``files``, ``bytes`` and ``leaves``
         (totals; tied tensors counted once), ``keys`` (totals per top-level key) and
         ``nodes``: every value in depth-first order with its ``path`` (a list of keys, ints
         kept as ints) and ``kind``; leaves add ``dtype``, ``shape``, ``bytes``, ``file``,
@@ -92,9 +92,9 @@ def describe_step(tiers: Sequence[Tier], step: int | None = None, rank: int = 0)
 
 
 def step_metrics(view: StepView) -> dict[str, Any] | None:
-    """The metrics saved with the step, or None: the hook where `save(..., metrics=)` shows
-    up once the format records them (until then always None)."""
-    return None if view.metrics is None else dict(view.metrics)
+    """The metrics saved with the step (`save(..., metrics=)`, in its commit marker), JSON-ready;
+    None when it has none."""
+    return None if view.metrics is None else {k: _json_value(v) for k, v in view.metrics.items()}
 
 
 def _unique_bytes(node: Node) -> int:

@@ -76,9 +76,7 @@ class StepView:
     checksum_algorithm: str
     root: Node
     files: tuple[ShardFile, ...]  # every shard file the view's entries live in
-    # Metrics saved with the step, once the manifest carries them (`save(..., metrics=)` is
-    # another issue): read from a `metrics` attribute of the manifest if it has one.
-    metrics: Mapping[str, object] | None = None
+    metrics: Mapping[str, int | float] | None = None  # `save(..., metrics=)`, from the marker
 
     @property
     def path(self) -> str:
@@ -131,7 +129,7 @@ def open_view(tier: Tier, step: int, rank: int = 0) -> StepView:
     for m in manifests.values():
         for sf in m.files:
             files.setdefault(sf.name, sf)
-    metrics = getattr(manifest, "metrics", None)
+    metrics = dict(marker.metrics) if marker.metrics else None
     return StepView(
         tier, step, rank, marker.world_size, marker.checksum_algorithm, root, tuple(files.values()), metrics
     )
