@@ -3,8 +3,12 @@
 A small MLP (with dropout) is trained with Adam + StepLR on a synthetic regression
 dataset. Every ``--every`` steps the full training state is handed to
 ``tiercheck.Checkpointer.save``, which returns as soon as the state is copied into host
-memory and persists it in the background. On start the script calls
-``Checkpointer.restore``; if a checkpoint exists it resumes from the step after it.
+memory and persists it in the background: to ``--dir`` (tier 1) and, with ``--remote``,
+to an object store (tier 2, e.g. ``s3://bucket/run``). On start the script calls
+``Checkpointer.restore``; if a checkpoint exists on either tier it resumes from the step
+after it. Once a save is durable everywhere it prints what it cost: the stall, the time
+to durable on each tier (``handle.stats``), and, for comparison, how long ``torch.save``
+of the same state (with flush and fsync, in the same loop) blocks training.
 
 Determinism: the dataset comes from a fixed seed, each step's mini-batch is a pure
 function of the step number, and the only other randomness (dropout, drawn from torch's
@@ -13,13 +17,17 @@ resumed prints exactly the same ``step N loss X`` lines as an uninterrupted run.
 
     python examples/train_demo.py --fresh          # start over
     python examples/train_demo.py                  # resume if a checkpoint exists
+    python examples/train_demo.py --remote s3://bucket/run --endpoint-url http://127.0.0.1:8333
+                                                   # both tiers (credentials: AWS_* variables)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -51,14 +59,14 @@ def batch_indices(step: int) -> torch.Tensor:
     return torch.randint(0, N_SAMPLES, (BATCH,), generator=g)
 
 
-def make_model() -> nn.Module:
+def make_model(hidden: int = HIDDEN) -> nn.Module:
     return nn.Sequential(
-        nn.Linear(IN_DIM, HIDDEN),
+        nn.Linear(IN_DIM, hidden),
         nn.ReLU(),
         nn.Dropout(p=0.1),
-        nn.Linear(HIDDEN, HIDDEN),
+        nn.Linear(hidden, hidden),
         nn.ReLU(),
-        nn.Linear(HIDDEN, 1),
+        nn.Linear(hidden, 1),
     )
 
 
@@ -69,7 +77,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=5, help="checkpoint every K steps")
     p.add_argument("--sleep", type=float, default=0.05, help="seconds to sleep per step")
     p.add_argument("--fresh", action="store_true", help="delete --dir before starting")
+    p.add_argument("--remote", default=None, help="tier 2: an fsspec URL (s3://bucket/run)")
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint for --remote (credentials: AWS_* env)")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="hidden width (the state grows with its square)")
+    p.add_argument("--no-stats", action="store_true", help="do not print per-save costs")
     return p.parse_args(argv)
+
+
+def torch_save_stall(state: dict[str, object], directory: str) -> float:
+    """Seconds `torch.save` of the same state dicts (+ flush + fsync) blocks the caller."""
+    plain = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
+    fd, path = tempfile.mkstemp(prefix=".torch_save-", suffix=".pt", dir=directory)
+    try:
+        t0 = time.perf_counter()
+        with os.fdopen(fd, "wb") as f:
+            torch.save(plain, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return time.perf_counter() - t0
+    finally:
+        os.unlink(path)
+
+
+def report(step: int, handle: tiercheck.SaveHandle, torch_save_s: float) -> None:
+    """One line per save, once it is durable on every tier."""
+    st = handle.stats
+    tiers = ", ".join(f"tier {1 if t == 'local' else 2} ({t}) {st.tier_s[t] * 1e3:.0f} ms" for t in handle.tiers)
+    print(
+        f"  save {step}: {st.bytes / 2**20:.1f} MiB, stall {st.stall_s * 1e3:.1f} ms | durable on {tiers} "
+        f"| torch.save would stall {torch_save_s * 1e3:.0f} ms",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(INIT_SEED)
 
     x, y = make_dataset()
-    model = make_model()
+    model = make_model(args.hidden)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
     loss_fn = nn.MSELoss()
@@ -101,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         "step": 0,
     }
 
-    with tiercheck.Checkpointer(local=args.dir, keep_local=3) as ckpt:
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
+    with tiercheck.Checkpointer(
+        local=args.dir, remote=args.remote, storage_options=options, keep_local=3, keep_remote=3
+    ) as ckpt:
         restored = ckpt.restore(state)
         start = 1
         if restored is not None:
@@ -110,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_rng_state(state["rng"]["torch"])  # type: ignore[index]
             start = restored + 1
             print(f"resumed from step {restored}", flush=True)
+            if args.remote and restored not in ckpt.steps("local"):
+                print(f"  (not on tier 1 {args.dir}: restored from tier 2 {args.remote})", flush=True)
+        pending: list[tuple[int, tiercheck.SaveHandle, float]] = []
+        stats_dir = os.path.dirname(os.path.abspath(args.dir))
 
         model.train()
         for step in range(start, args.steps + 1):
@@ -126,14 +171,21 @@ def main(argv: list[str] | None = None) -> int:
                 state["rng"] = {"torch": torch.get_rng_state()}
                 # Returns once the state is in host memory; persisting happens in the
                 # background while training continues (and mutates the parameters).
-                ckpt.save(step, state)
+                handle = ckpt.save(step, state)
                 print(f"  checkpoint {step} queued", flush=True)
+                if not args.no_stats:
+                    pending.append((step, handle, torch_save_stall(state, stats_dir)))
+            while pending and pending[0][1].done():
+                report(*pending.pop(0))
 
             if args.sleep > 0:
                 time.sleep(args.sleep)
 
         ckpt.wait()
-        print(f"done; local checkpoints: {ckpt.steps()}", flush=True)
+        for item in pending:
+            report(*item)
+        where = f"; remote: {ckpt.steps('remote')}" if args.remote else ""
+        print(f"done; local checkpoints: {ckpt.steps('local')}{where}", flush=True)
     return 0
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets everything up and runs the demo: train, checkpoint, SIGKILL mid-run, resume.
+# Sets everything up and runs the demo: an S3 server on 127.0.0.1, training with both tiers,
+# SIGKILL mid-run, the node's tier 1 wiped, resume on a new node from the bucket.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

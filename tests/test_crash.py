@@ -256,4 +256,6 @@ def test_a_step_killed_mid_deletion_is_invisible_and_reclaimed(tmp_path: Path, m
         ckpt.save(3, worker.make_state(3)).wait()
         ckpt.wait()
         assert ckpt.steps() == [2, 3]
-    assert sorted(os.listdir(tmp_path)) == [layout.step_dir_name(2), layout.step_dir_name(3)]
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [layout.lock_name(0), layout.RUNLOG_DIR, layout.step_dir_name(2), layout.step_dir_name(3)]
+    )

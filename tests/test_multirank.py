@@ -144,10 +144,16 @@ def test_shared_tier1_directory_one_marker(tmp_path: Path) -> None:
         [layout.COMMIT_NAME] + [f(r, 2) for r in range(2) for f in (layout.manifest_name, layout.shard_name)]
     )
     assert committed(tmp_path / "shared") == [20, 30]
+    shared = tmp_path / "shared"
     # no temp left; each rank wrote under its own lock
-    assert sorted(p.name for p in (tmp_path / "shared").iterdir() if p.name.startswith(".")) == [
+    assert sorted(p.name for p in shared.iterdir() if p.name.startswith(".") and p.name != layout.RUNLOG_DIR) == [
         layout.lock_name(0),
         layout.lock_name(1),
+    ]
+    # Each rank keeps its own run log in the directory the ranks share.
+    assert sorted(p.name for p in (shared / layout.RUNLOG_DIR).iterdir()) == [
+        layout.runlog_file_name(0),
+        layout.runlog_file_name(1),
     ]
 
 
@@ -205,10 +211,11 @@ def test_rank_killed_mid_save_others_fail_within_timeout_and_previous_step_resto
     # Once the job commits again, nothing of the failed step 20 is left on any tier.
     for d in (tmp_path / "node0", tmp_path / "node1", tmp_path / "remote"):
         assert committed(d) == [10, 30]
-        # (files, as an object store sees them; file:// may keep an empty directory), and
-        # the writer lock of the rank writing there (rank r writes node<r>)
+        # (files, as an object store sees them; file:// may keep an empty directory), the
+        # writer lock of the rank writing there (rank r writes node<r>); the run log is on
+        # tier 1 only
         locks = {layout.lock_name(int(d.name[4:]))} if d.name.startswith("node") else set()
-        assert {p.relative_to(d).parts[0] for p in d.rglob("*") if p.is_file()} == {
+        assert {p.relative_to(d).parts[0] for p in d.rglob("*") if p.is_file()} - {layout.RUNLOG_DIR} == {
             "step-000000000010",
             "step-000000000030",
         } | locks, d

@@ -81,8 +81,9 @@ def test_plan_deletions_never_deletes_in_flight_or_not_yet_uploaded_steps():
 
 
 def step_dirs(root) -> list[str]:
-    """Everything in `root` but the writer lock file (which stays there for good)."""
-    return sorted(n for n in os.listdir(root) if not n.startswith(layout.LOCK_PREFIX))
+    """Everything in `root` but the library's own bookkeeping (the writer lock, a run log):
+    steps, users' files, and any leftover temp or trash directory."""
+    return sorted(n for n in os.listdir(root) if not n.startswith(".tiercheck-") or layout.is_leftover(n))
 
 
 def save_steps(ckpt: tiercheck.Checkpointer, steps) -> None:

@@ -337,3 +337,102 @@ def test_seaweedfs_kill_and_restart_keeps_data(seaweedfs_healthy: SeaweedFS) -> 
     assert fs.cat_file(f"{url}/kept.bin") == data
     assert fs.cat_file(f"{url}/kept.bin", start=MiB, end=MiB + 100) == data[MiB : MiB + 100]
     fs.rm(url, recursive=True)
+
+
+# --- shaping proxy -------------------------------------------------------------------------
+class _Sink:
+    """A TCP server on 127.0.0.1: after a header (kind, n) it answers one byte, reads `n`
+    bytes, answers one byte, then sends `n` bytes back; or (kind "p") echoes `n` single bytes."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _one(conn: socket.socket) -> None:
+        with conn:
+            head = conn.recv(9, socket.MSG_WAITALL)
+            kind, n = head[:1], int.from_bytes(head[1:], "big")
+            if kind == b"p":  # ping-pong n times
+                for _ in range(n):
+                    conn.sendall(conn.recv(1, socket.MSG_WAITALL))
+                return
+            conn.sendall(b"r")
+            left = n
+            while left:
+                left -= len(conn.recv(min(left, 1 << 20)))
+            conn.sendall(b"k")
+            conn.sendall(bytes(n))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _transfer_rates(port: int, n: int) -> tuple[float, float]:
+    """Bytes/s of sending `n` bytes through one connection, then of receiving `n` bytes back."""
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(b"s" + n.to_bytes(8, "big"))
+        assert c.recv(1, socket.MSG_WAITALL) == b"r"  # connected end to end: time the bytes only
+        t0 = time.monotonic()
+        c.sendall(bytes(n))
+        assert c.recv(1, socket.MSG_WAITALL) == b"k"
+        t1 = time.monotonic()
+        got = 0
+        while got < n:
+            got += len(c.recv(1 << 20))
+        t2 = time.monotonic()
+    return n / (t1 - t0), n / (t2 - t1)
+
+
+def test_shaping_proxy_caps_one_connection_at_its_rate() -> None:
+    """One connection through the proxy moves within 10% of its cap, each way (2.5 MB at 5 MB/s,
+    0.5 s per direction); the best of three tries, since a loaded machine only slows it down."""
+    from tests.servers import ShapingProxy
+
+    sink = _Sink()
+    cap = 5e6
+    try:
+        with ShapingProxy(sink.port, rate_bps=cap) as proxy:
+            tries = [_transfer_rates(proxy.port, 2_500_000) for _ in range(3)]
+        best_up, best_down = max(t[0] for t in tries), max(t[1] for t in tries)
+        assert 0.9 * cap <= best_up <= 1.1 * cap, tries
+        assert 0.9 * cap <= best_down <= 1.1 * cap, tries
+        # without the proxy the same transfer is far faster: the cap, not the machine, set the pace
+        direct = _transfer_rates(sink.port, 2_500_000)
+        assert min(direct) > 3 * cap, direct
+    finally:
+        sink.close()
+
+
+def test_shaping_proxy_adds_its_round_trip_without_slowing_a_stream() -> None:
+    from tests.servers import ShapingProxy
+
+    sink = _Sink()
+    try:
+        with ShapingProxy(sink.port, rtt_s=0.04) as proxy, socket.create_connection(("127.0.0.1", proxy.port)) as c:
+            c.sendall(b"p" + (5).to_bytes(8, "big"))
+            rtts = []
+            for i in range(5):
+                t0 = time.monotonic()
+                c.sendall(bytes([i]))
+                assert c.recv(1, socket.MSG_WAITALL) == bytes([i])
+                rtts.append(time.monotonic() - t0)
+            assert min(rtts) >= 0.04 - 0.002, rtts
+            assert sorted(rtts)[2] < 0.12, rtts
+        # a delay line, not stop-and-wait: 4 MB with 40 ms of RTT and no cap is still fast
+        with ShapingProxy(sink.port, rtt_s=0.04) as proxy:
+            up, down = _transfer_rates(proxy.port, 4_000_000)
+        assert min(up, down) > 20e6, (up, down)
+    finally:
+        sink.close()

@@ -95,7 +95,7 @@ def test_a_forked_child_exits_at_once_while_the_parent_saves(tmp_path: Path) -> 
     assert parent["exit_s"] < 15, parent
     assert parent["steps"] == [1] and parent["same"] is True
     # the child left nothing behind (the parent's writer lock is kept by design)
-    assert parent["files"] == sorted([layout.lock_name(0), layout.step_dir_name(1)])
+    assert parent["files"] == sorted([layout.lock_name(0), layout.RUNLOG_DIR, layout.step_dir_name(1)])
 
 
 # ----------------------------------------------------------------------------- Ctrl-C
@@ -140,7 +140,8 @@ def test_a_save_retried_after_ctrl_c_commits_and_reports_it(tmp_path: Path) -> N
         assert torch.equal(got["a"], state["a"])
         h3 = ckpt.save(3, state)
         h3.wait(timeout=60)
-    assert sorted(os.listdir(tmp_path)) == [layout.lock_name(0)] + [layout.step_dir_name(s) for s in (1, 2, 3)]
+    names = [n for n in os.listdir(tmp_path) if n != layout.RUNLOG_DIR]
+    assert sorted(names) == [layout.lock_name(0)] + [layout.step_dir_name(s) for s in (1, 2, 3)]
 
 
 def test_the_first_save_retried_after_ctrl_c_is_not_a_step_conflict(tmp_path: Path) -> None:

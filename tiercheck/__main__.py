@@ -1,5 +1,6 @@
-"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck --version``
-and ``tiercheck bench ...``.
+"""Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck --version``,
+``tiercheck bench ...``, ``tiercheck report DIR`` / ``tiercheck plan`` (in `cli_goodput.py`), and the
+checkpoint tools ``inspect``, ``export``, ``import``, ``prune``, ``rm`` (in `tools/cli.py`).
 
 Exit status: 0 every step checked is intact, 1 a step is damaged, 2 nothing was checked (bad
 usage, a missing location or step, nothing committed there, an unreachable store); such an
@@ -25,15 +26,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, cli_goodput
 from .checkpointer import _with_timeouts
 from .errors import CheckpointCorruptedError, TiercheckError
 from .manifest import Manifest, Marker
+from .progress import part_of, terminal_bar
 from .restore import present_manifests, read_marker, verify_files
 from .retry import RetryPolicy
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
+from .tools import cli as tools_cli
 
 BENCH_ENV = "TIERCHECK_BENCH_SCRIPT"
 
@@ -76,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["bench"]:
         return run_bench(args_in[1:])
+    if args_in[:1] and args_in[0] in cli_goodput.COMMANDS:
+        return cli_goodput.main(args_in)
     ap = argparse.ArgumentParser(
         prog="tiercheck",
         description="Inspect tiercheck checkpoints; benchmark saves.",
@@ -109,7 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "`tiercheck bench --help`)",
         add_help=False,
     )
+    cli_goodput.add_parsers(sub)
+    tools_cli.register(sub)
     args = ap.parse_args(args_in)
+    if args.cmd in tools_cli.COMMANDS:
+        return tools_cli.run(args)
     log = logging.getLogger("tiercheck")
     level = log.level
     log.setLevel(logging.ERROR)  # retry warnings would bury the one line an error gets
@@ -167,8 +176,12 @@ def _run(args: argparse.Namespace) -> int:
             manifests = list(present_manifests(tier, step, marker))
             if not manifests:
                 raise CheckpointCorruptedError(f"{tier.path_of(step)}: no rank's manifest is present")
-            for m in manifests:
-                verify_files(tier, step, m)
+            total = sum(sf.length for m in manifests for sf in m.files)
+            before = 0
+            with terminal_bar(f"verify step {step}") as progress:
+                for m in manifests:
+                    verify_files(tier, step, m, part_of(progress, before, total))
+                    before += sum(sf.length for sf in m.files)
             print(f"step {step}: ok ({_ranks(manifests, marker.world_size)})")
         except TiercheckError as exc:
             bad += 1

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import NoCheckpointError
+from .progress import ProgressCallback
 from .restore import restore_from
 from .tiers.base import Tier
 from .tiers.local import LocalTier
@@ -18,6 +19,8 @@ def load(
     step: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     rank: int = 0,
+    *,
+    progress: ProgressCallback | None = None,
 ) -> dict[Any, Any]:
     """Read one rank's view of a checkpoint as plain values, without a template.
 
@@ -29,6 +32,8 @@ def load(
         step: the step to read; the newest committed one if None.
         storage_options: fsspec options for a URL (unused for directories).
         rank: which rank's part to read.
+        progress: called as ``progress(done_bytes, total_bytes)`` while the step's bytes
+            are read (`tiercheck.progress`); ``tiercheck.progress.terminal_bar`` draws a bar.
 
     Raises:
         NoCheckpointError: nothing committed at `location` (or not `step`).
@@ -40,7 +45,7 @@ def load(
     """
     loc = os.fspath(location)
     tier: Tier = LocalTier(loc) if "://" not in loc else RemoteTier(loc, storage_options)
-    found = restore_from([tier], None, step, rank, strict=False)
+    found = restore_from([tier], None, step, rank, strict=False, progress=progress)
     if found is None:
         raise NoCheckpointError(f"no committed checkpoint at {loc}")
     result = found.value

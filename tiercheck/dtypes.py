@@ -58,3 +58,15 @@ def itemsize(kind: str, dtype: str) -> int | None:
     if kind == "bytes":
         return 1 if dtype == "uint8" else None
     return None
+
+
+def torch_dtype_of_numpy(name: str) -> torch.dtype | None:
+    """The torch dtype holding the same values as the numpy dtype `name` (either byte order),
+    or None when torch has none (float128, ...)."""
+    nd = numpy_dtype_from_name(name)
+    if nd is None:
+        return None
+    try:
+        return torch.from_numpy(np.empty(0, dtype=nd.newbyteorder("="))).dtype
+    except TypeError:  # numpy dtypes torch does not have
+        return None

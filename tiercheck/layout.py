@@ -9,6 +9,8 @@ A tier root holds one directory per step::
     .tiercheck-tmp-step-000000000125-r00000-<token>/   local tier: a step being written
     .tiercheck-trash-step-000000000100-<token>/        local tier: a step being deleted
     .tiercheck-lock-rank-00000                         local tier: rank 0's writer lock (kept)
+    .tiercheck-runlog/                                 the run log (runlog.py): never a step,
+                                                       never swept, never pruned
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ COMMIT_NAME = "COMMIT"
 TMP_PREFIX = ".tiercheck-tmp-"
 TRASH_PREFIX = ".tiercheck-trash-"
 LOCK_PREFIX = ".tiercheck-lock-rank-"
+RUNLOG_DIR = ".tiercheck-runlog"
 
 _STEP_RE = re.compile(r"step-([0-9]{12,})", re.ASCII)
 _TMP_RE = re.compile(r"\.tiercheck-tmp-step-[0-9]{12,}-r([0-9]{5,})-[0-9a-f]{16}", re.ASCII)
 _TRASH_RE = re.compile(r"\.tiercheck-trash-step-[0-9]{12,}-[0-9a-f]{16}", re.ASCII)
+_RUNLOG_RE = re.compile(r"rank-([0-9]{5,})(?:-[0-9a-f]{16}-p[0-9]{4,})?\.jsonl", re.ASCII)
 _SHARD_RE = re.compile(r"rank-([0-9]{5,})-of-([0-9]{5,})\.shard", re.ASCII)
 
 
@@ -83,3 +87,24 @@ def is_safe_file_name(name: str) -> bool:
         return False
     rank, world = int(m.group(1)), int(m.group(2))
     return rank < world and shard_name(rank, world) == name
+
+
+def runlog_file_name(rank: int) -> str:
+    """The tier-1 run log of one rank, appended to by every session of that rank."""
+    return f"rank-{rank:05d}.jsonl"
+
+
+def runlog_heartbeat_name(rank: int) -> str:
+    """One rank's heartbeat beside its tier-1 run log: the newest progress, overwritten in place."""
+    return f"rank-{rank:05d}.heartbeat"
+
+
+def runlog_part_name(rank: int, session: str, part: int) -> str:
+    """A tier-2 run-log object: one session's records, rewritten whole until it is full."""
+    return f"rank-{rank:05d}-{session}-p{part:04d}.jsonl"
+
+
+def parse_runlog_rank(name: str) -> int | None:
+    """The rank a run-log file name belongs to, or None for a name this library did not make."""
+    m = _RUNLOG_RE.fullmatch(name)
+    return None if m is None else int(m.group(1))

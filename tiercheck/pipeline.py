@@ -21,6 +21,8 @@ at the first one, so a slow callback never holds the writer or the uploader.
 A session only reads until `become_writer` (its first save or prepare): it then takes its
 rank's writer lock on tier 1, sweeps that rank's leftovers, and catches up the uploads an
 earlier run left undone.
+Without a tier 1 the uploader also writes the run log's tier-2 copy between steps
+(`submit_side_task`).
 
 Errors are captured and handed to the caller's thread exactly once.
 """
@@ -120,6 +122,14 @@ class _CatchUp:
     """Upload the tier-1 steps an earlier run never uploaded that tier 2 would keep."""
 
 
+@dataclass(frozen=True, slots=True)
+class _SideTask:
+    """A small tier-2 write that is not a step (the run log, without a tier 1); it handles
+    its own errors."""
+
+    run: Callable[[], None]
+
+
 _STOP = object()
 
 
@@ -208,8 +218,8 @@ class Pipeline:
         self._tracks: dict[int, _Track] = {}
         self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
         # Tier-1 steps tier 2 still needs that no handle tracks: catch-up uploads not yet
-        # attempted, and failed uploads that tier-2 retention would keep (`_owe`). Tier-1
-        # retention never deletes them.
+        # attempted, and failed uploads that tier-2 retention would keep (`_settle_owed`).
+        # Tier-1 retention never deletes them.
         self._catching_up: set[int] = set()
         self._owed: set[int] = set()
         self._writing = False
@@ -285,6 +295,13 @@ class Pipeline:
             if track is not None and track.handle is job.handle:
                 del self._tracks[job.step]
                 self._idle.notify_all()
+
+    def submit_side_task(self, run: Callable[[], None]) -> None:
+        """Run `run` on the uploader thread, between steps; dropped once the pipeline is closed."""
+        with self._lock:
+            if self._closed or self._uploader is None:
+                return
+        self._uploader_put(_SideTask(run))
 
     def _write_next(self, job: StagedSave) -> None:
         if self._writer is not None:
@@ -558,6 +575,9 @@ class Pipeline:
         assert tier is not None
         if isinstance(item, _CatchUp):
             self._catch_up(tier)
+            return
+        if isinstance(item, _SideTask):
+            item.run()
             return
         if isinstance(item, StagedSave):  # no tier 1 (or it failed): from the host buffer
             try:

@@ -33,6 +33,7 @@ from .manifest import (
     decode_manifest,
     decode_marker,
 )
+from .progress import ProgressCallback
 from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
 
@@ -530,7 +531,13 @@ def read_manifest_with_bytes(tier: Tier, step: int, rank: int, marker: Marker | 
 
 
 def read_step(
-    tier: Tier, step: int, rank: int, template: object, strict: bool, world_size: int | None = None
+    tier: Tier,
+    step: int,
+    rank: int,
+    template: object,
+    strict: bool,
+    world_size: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> object:
     """Read `step` from `tier` into `template` (or fresh values if None); verify every byte.
 
@@ -541,11 +548,17 @@ def read_step(
             is read, except when a stateful object's `load_state_dict` itself rejects the
             checkpoint after its tensors were filled.
     """
-    return prepare_step(tier, step, rank, template, strict, world_size)()
+    return prepare_step(tier, step, rank, template, strict, world_size, progress)()
 
 
 def prepare_step(
-    tier: Tier, step: int, rank: int, template: object, strict: bool, world_size: int | None = None
+    tier: Tier,
+    step: int,
+    rank: int,
+    template: object,
+    strict: bool,
+    world_size: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Producer:
     """Read and verify `step` (tensors land in the template's tensors); return the function
     that then writes plain values and calls `load_state_dict` (see `read_step`).
@@ -613,7 +626,7 @@ def prepare_step(
                 f"{', '.join(binder.missing)}: template key(s) not in the checkpoint (step {step}); "
                 "drop them from the template, or restore(state, strict=False) to leave them as they are"
             )
-        _read_verified(tier, step, files, binder.reads, manifest.checksum_algorithm)
+        _read_verified(tier, step, files, binder.reads, manifest.checksum_algorithm, progress)
         for f in files.values():
             if isinstance(f, ZstdFile):
                 f.check_end()
@@ -677,11 +690,18 @@ READ_CHUNK = 32 << 20
 
 
 def _read_verified(
-    tier: Tier, step: int, files: Mapping[str, ReadableFile], reads: Sequence[_Read], algorithm: str
+    tier: Tier,
+    step: int,
+    files: Mapping[str, ReadableFile],
+    reads: Sequence[_Read],
+    algorithm: str,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Read every entry in file order, checksumming on a helper thread chunk by chunk while
     the next chunk is read, so verification costs no time when the disk is the bottleneck."""
     pending: list[tuple[Entry, Future[str]]] = []
+    total = sum(len(r.dest) for r in reads)
+    done = 0
     with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-verify") as hasher:
         try:
             for r in sorted(reads, key=lambda r: (r.entry.file, r.entry.offset)):
@@ -694,6 +714,9 @@ def _read_verified(
                     except EOFError as exc:
                         raise CheckpointCorruptedError(str(exc)) from None
                     hasher.submit(h.update, chunk)
+                    if progress is not None:
+                        done += len(chunk)
+                        progress(done, total)
                 pending.append((e, hasher.submit(h.hexdigest)))
         except BaseException:
             for _, fut in pending:
@@ -707,16 +730,18 @@ def _read_verified(
                 )
 
 
-def verify_files(tier: Tier, step: int, manifest: Manifest) -> None:
+def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCallback | None = None) -> None:
     """Check every entry's checksum by streaming each shard file through one reused buffer
     (no allocation per tensor): what the uploader runs before copying a step to tier 2, so a
-    damaged tier-1 copy is never spread.
+    damaged tier-1 copy is never spread. `progress(done, total)` counts the shard bytes read.
 
     Raises:
         CheckpointCorruptedError: a shard is missing, short, or an entry's bytes differ.
     """
     buf = bytearray(min(READ_CHUNK, max((sf.length for sf in manifest.files), default=0)))
     view = memoryview(buf)
+    total = sum(sf.length for sf in manifest.files)
+    done = 0
     for sf in manifest.files:
         path = tier.path_of(step, sf.name)
         regions: dict[tuple[int, int], str] = {}
@@ -751,6 +776,9 @@ def verify_files(tier: Tier, step: int, manifest: Manifest) -> None:
                         hashers[i].update(view[lo - pos : hi - pos])
                     if off + length <= pos + n and i == first:
                         first += 1
+                if progress is not None:
+                    done += n
+                    progress(done, total)
             if isinstance(f, ZstdFile):
                 f.check_end()
         finally:
@@ -798,11 +826,14 @@ def restore_from(
     rank: int,
     strict: bool = True,
     world_size: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Restored | None:
     """Restore the newest verifiable step (or exactly `step`) from the fastest tier having it.
 
     `world_size` is the restoring job's (see `prepare_step`); None reads rank `rank`'s view
     whatever the world size of the checkpoint. Returns None when no tier has any committed step.
+    `progress(done, total)` counts the bytes of the step being read (it starts again from 0
+    when a damaged copy makes the read move to another tier or step).
     """
     holders = list_committed(tiers)
     if step is not None:
@@ -819,7 +850,7 @@ def restore_from(
     for s in candidates:
         for tier in holders[s]:
             try:
-                value = read_step(tier, s, rank, template, strict, world_size)
+                value = read_step(tier, s, rank, template, strict, world_size, progress)
                 return Restored(s, value, tuple(sorted(holders)))
             except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
                 missing_only = missing_only and isinstance(exc, NoCheckpointError)
@@ -847,6 +878,7 @@ def restore_collective(
     rank: int,
     world_size: int,
     strict: bool = True,
+    progress: ProgressCallback | None = None,
 ) -> Restored | None:
     """`restore_from` for one rank of a job: every rank calls it, and all restore the same
     step, the newest that every rank can read (or exactly `step`).
@@ -887,7 +919,7 @@ def restore_collective(
             why = ""
             for tier in tiers:
                 try:
-                    produce = prepare_step(tier, s, rank, template, strict, world_size)
+                    produce = prepare_step(tier, s, rank, template, strict, world_size, progress)
                     break
                 except StateMismatchError as exc:  # the template is wrong: no older step helps
                     coord.agree_outcome(i, False, str(exc), fatal=True)

@@ -1,5 +1,6 @@
 """Real test servers (no mocks) for tiercheck's remote tier: SeaweedFS (S3), Azurite (Azure
-Blob), gcp-storage-emulator (GCS), and a TCP fault proxy. Fixtures live in ``tests.servers.plugin``.
+Blob), gcp-storage-emulator (GCS), a TCP fault proxy and a TCP shaping proxy (a per-connection
+bandwidth cap and an added round trip: a network to measure on). Fixtures live in ``tests.servers.plugin``.
 
 Importing this package sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false (gcsfs reads it on import).
 """
@@ -12,6 +13,7 @@ from .gcs import GCSEmulator
 from .ports import free_port, free_ports
 from .process import ManagedProcess, ObjectStoreServer, ServerStartError
 from .seaweedfs import SeaweedFS
+from .shapingproxy import ShapingProxy, ShapingProxyProcess
 
 __all__ = [
     "Azurite",
@@ -22,6 +24,8 @@ __all__ = [
     "ProxiedServer",
     "SeaweedFS",
     "ServerStartError",
+    "ShapingProxy",
+    "ShapingProxyProcess",
     "free_port",
     "free_ports",
     "proxied",

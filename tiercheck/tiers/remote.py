@@ -4,6 +4,9 @@ Object stores have no rename and no fsync, so visibility rests on ordering alone
 step's shard files go first, then its manifest, and the commit marker last. A step whose
 upload was cut midway has no marker and is never listed. Deletion removes the marker
 first. Every call is retried on transient errors (see `retry.py`).
+
+On S3, Azure and GCS a large file moves as several parts or ranges in flight at once
+(`multipart.py`): one connection carries ~50-100 MB/s, a node's uplink needs many.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .. import layout
 from ..errors import CheckpointCorruptedError, InvalidArgumentError, TierError
 from ..retry import RetryPolicy
 from ..throttle import RateLimiter
+from . import multipart
 from .base import ReadableFile, StepWriter, Tier
 
 T = TypeVar("T")
@@ -43,10 +47,28 @@ class RemoteTier(Tier):
         op_timeout: seconds one attempt of one call may take (plus 1 s per MiB it moves)
             before it is abandoned as a transient failure. Client libraries do not bound
             every wait (s3fs never times out sending a body to a hung server); this does.
-        block_size: bytes per streamed write (multipart part size on S3).
+        block_size: bytes per part of a multipart upload (more for a file that would need
+            more parts than the store allows: S3 10,000, Azure 50,000, GCS 1,024 here; less
+            for a small file, so each connection gets a part; at least 5 MiB on S3), and per
+            streamed write on stores without multipart calls.
+        concurrency: parts (uploads) or ranges (reads) of one file in flight at once.
+            Memory: an upload holds at most ``concurrency`` parts, so at most
+            ``concurrency x part size`` bytes beyond the host buffer (from tier 1, parts
+            are read with pread into that many reused part buffers; from the host buffer,
+            parts are slices of it, copied only on S3, whose client takes only
+            ``bytes``/``bytearray``; S3's aiohttp makes up to two more copies of a part
+            while sending it). A read holds its ranges while they are copied into place,
+            plus the bytes it fetched ahead of the reader: at most twice the read size,
+            64 MiB per open file at restore (see `multipart.RangeReader`).
         write_rate: optional cap in bytes/s for uploads.
         compression: None, or "zstd" to store shard files zstd-compressed (level
             `compression_level`); the manifest then records codec and stored size.
+
+    Each request (a part, a range, a whole small file) is retried on its own within the
+    retry budget, and each attempt is bounded by `op_timeout`. A multipart upload that
+    fails is aborted (S3: AbortMultipartUpload; GCS: its part objects deleted; Azure:
+    uncommitted blocks never make a blob and the service discards them), so a cut upload
+    is never listed and leaves no parts behind.
     """
 
     def __init__(
@@ -57,6 +79,7 @@ class RemoteTier(Tier):
         name: str = "remote",
         retry: RetryPolicy | None = None,
         block_size: int = 16 << 20,
+        concurrency: int = 8,
         write_rate: float | None = None,
         compression: str | None = None,
         compression_level: int = 1,
@@ -66,11 +89,19 @@ class RemoteTier(Tier):
             raise InvalidArgumentError(f"compression must be None or 'zstd', got {compression!r}")
         self.codec = compression or "raw"
         self.compression_level = compression_level
+        if concurrency < 1:
+            raise InvalidArgumentError(f"concurrency must be at least 1, got {concurrency}")
+        if block_size < 1 << 20:
+            raise InvalidArgumentError(f"block_size must be at least 1 MiB, got {block_size}")
         url = os.fspath(url)
         if "://" not in url and "::" not in url:
             url = os.path.abspath(url)  # a plain path: the local filesystem, as file:// is
         opts = dict(storage_options or {})
         opts.setdefault("skip_instance_cache", True)
+        if url.startswith(("s3://", "s3a://")):  # botocore's pool (10) must not queue the parts
+            config = dict(opts.get("config_kwargs") or {})
+            config.setdefault("max_pool_connections", max(10, 2 * concurrency))
+            opts["config_kwargs"] = config
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **opts)
         except (ValueError, ImportError, TypeError) as exc:  # unknown protocol, backend not installed
@@ -83,6 +114,8 @@ class RemoteTier(Tier):
         self.location = url
         self.retry = retry or RetryPolicy()
         self.block_size = block_size
+        self.concurrency = concurrency
+        self._parts = multipart.store_for(self.fs)  # None: files are streamed whole
         self.limiter = RateLimiter(write_rate)
         self.stopping = threading.Event()  # set on close: stop retrying
         self.op_timeout = op_timeout
@@ -105,13 +138,22 @@ class RemoteTier(Tier):
         client.meta.events.unregister("before-call.s3", add_expect_header)
         self._patched_client = client
 
-    def _call(self, what: str, fn: Callable[[], T], nbytes: int = 0) -> T:
+    def _call(self, what: str, fn: Callable[[], T], nbytes: int = 0, stop: Callable[[], bool] | None = None) -> T:
+        """`fn()` retried on transient errors, each attempt bounded by `_attempt`; no retry
+        once the tier closes or `stop()` is true (another part of the same file failed)."""
+
         def log(exc: BaseException, attempt: int, delay: float) -> None:
             msg = "tier %r: %s failed (attempt %d: %r); retrying in %.1fs"
             logger.warning(msg, self.name, what, attempt, exc, delay)
 
+        def stopped() -> bool:
+            return self.stopping.is_set() or (stop is not None and stop())
+
         deadline = self.op_timeout + nbytes / (1 << 20)
-        return self.retry.run(lambda: self._attempt(what, fn, deadline), on_retry=log, stop=self.stopping.is_set)
+        return self.retry.run(lambda: self._attempt(what, fn, deadline), on_retry=log, stop=stopped)
+
+    def _call_once(self, what: str, fn: Callable[[], None]) -> None:
+        self._attempt(what, fn, self.op_timeout)
 
     def _attempt(self, what: str, fn: Callable[[], T], deadline: float) -> T:
         """Run one attempt on its own daemon thread and stop waiting after `deadline` s.
@@ -255,12 +297,38 @@ class RemoteTier(Tier):
 
         return zstandard.ZstdCompressor(level=self.compression_level).compressobj()
 
+    def _part_size(self, nbytes: int) -> int:
+        assert self._parts is not None
+        return multipart.part_size_for(nbytes, self.block_size, self.concurrency, self._parts.limits)
+
+    def _upload_parts(self, path: str, source: multipart.PartSource, part_size: int) -> int:
+        assert self._parts is not None
+        self._bound_writes()
+        return multipart.upload_parts(
+            self._parts, path, source, part_size, self.concurrency, self._call, self._call_once, self.limiter.consume
+        )
+
+    def _compressed(self, chunks: Iterator[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+        cobj = self._compressor()
+        for chunk in chunks:
+            out = cobj.compress(chunk)
+            if out:
+                yield out
+        yield cobj.flush()
+
     def put_chunks(
         self, path: str, chunks: Callable[[], Iterator[bytes | memoryview]], compress: bool, nbytes: int
     ) -> int:
-        """Stream the chunks `chunks()` yields to `path` (retried from the start); return the
-        number of bytes stored."""
+        """Upload the `nbytes` bytes `chunks()` yields to `path`; return the bytes stored. In
+        parts where the store has multipart calls and the file is larger than a part (each
+        part retried alone); else streamed, and retried from the start (`chunks()` again)."""
         compress = compress and self.codec == "zstd"
+        if self._parts is not None:
+            bound = nbytes + (nbytes >> 10) + (64 << 10) if compress else nbytes  # zstd may grow a little
+            part = self._part_size(bound)
+            if bound > part:
+                stream = self._compressed(chunks()) if compress else chunks()
+                return self._upload_parts(path, multipart.ChunkSource(stream), part)
 
         def put() -> int:
             self._bound_writes()
@@ -285,9 +353,13 @@ class RemoteTier(Tier):
     def put_bytes(
         self, path: str, data: memoryview, compress: bool = False, ready: Callable[[int], None] | None = None
     ) -> int:
-        if ready is not None:  # object stores take whole parts: wait for the copy to finish
+        compress = compress and self.codec == "zstd"
+        if self._parts is not None and not compress and len(data) > (part := self._part_size(len(data))):
+            # parts are slices of `data`; each waits only for its own bytes to be copied in
+            return self._upload_parts(path, multipart.ViewSource(data, ready), part)
+        if ready is not None:  # object stores take whole objects: wait for the copy to finish
             ready(len(data))
-        if len(data) <= self.block_size and not (compress and self.codec == "zstd"):
+        if len(data) <= self.block_size and not compress:
 
             def pipe() -> int:
                 self._bound_writes()
@@ -302,12 +374,18 @@ class RemoteTier(Tier):
         )
 
     def put_local_file(self, path: str, local_path: str, compress: bool = False) -> int:
+        size = os.path.getsize(local_path)
+        compress = compress and self.codec == "zstd"
+        if self._parts is not None and not compress and size > (part := self._part_size(size)):
+            with open(local_path, "rb") as src:  # parts read with pread into the part buffers
+                return self._upload_parts(path, multipart.FileSource(src.fileno(), size), part)
+
         def chunks() -> Iterator[bytes]:
             with open(local_path, "rb") as src:
                 while chunk := src.read(self.block_size):
                     yield chunk
 
-        return self.put_chunks(path, chunks, compress, os.path.getsize(local_path))
+        return self.put_chunks(path, chunks, compress, size)
 
 
 class _RemoteStepWriter(StepWriter):
@@ -355,27 +433,20 @@ class _RemoteStepWriter(StepWriter):
 
 class _RemoteFile(ReadableFile):
     def __init__(self, tier: RemoteTier, path: str, size: int) -> None:
-        self._tier = tier
         self._path = path
         self.size = size
+        fs = tier.fs
+
+        def fetch(start: int, n: int) -> bytes:
+            data: bytes = fs.cat_file(path, start=start, end=start + n)
+            return data
+
+        self._reader = multipart.RangeReader(fetch, size, tier.concurrency, tier._call, f"reading {path}")
 
     def read_into(self, offset: int, dest: memoryview) -> None:
-        pos, total, step = 0, len(dest), 64 << 20
-        if offset + total > self.size:  # servers answer 416 there; say what it means
-            raise EOFError(f"{self._path}: file ends at byte {self.size}, before byte {offset + total}")
-        while pos < total:
-            n = min(step, total - pos)
-            start = offset + pos
-
-            def fetch(s: int = start, n: int = n) -> bytes:
-                data: bytes = self._tier.fs.cat_file(self._path, start=s, end=s + n)
-                return data
-
-            data = self._tier._call(f"reading {self._path}", fetch)
-            if len(data) != n:
-                raise EOFError(f"{self._path}: file ends before byte {start + n}")
-            dest[pos : pos + n] = data
-            pos += n
+        if offset < 0 or offset + len(dest) > self.size:  # servers answer 416 there; say what it means
+            raise EOFError(f"{self._path}: file ends at byte {self.size}, before byte {offset + len(dest)}")
+        self._reader.read_into(offset, dest)
 
     def close(self) -> None:
-        pass
+        self._reader.close()

@@ -1,0 +1,735 @@
+"""Where a run's GPU time went, and how often to checkpoint. Pure: records in, values out.
+
+`summarise` turns the run log's records (`runlog.py` writes them; the schema is in
+`docs/goodput.md`) into one `RunSummary` per run (one `Checkpointer` session: a process
+start, or a restart) and a `Totals`:
+
+* wall time: from the session's start to its `close` record, or, for a run that failed
+  (no `close`), to its newest record or heartbeat (about a second early on tier 1);
+* compute: time inside the loop body of ``ckpt.timed(loader)``, less the time spent in
+  `save`/`restore`/`wait`/`drain` calls made there;
+* data wait: time spent in the loader's ``next()``;
+* checkpoint: the stall of every `save()` plus the time blocked in `wait`/`drain`/`close`;
+* restore: the time `restore()` took;
+* redo: work the run repeated because the run before it got further than the restored
+  step: (furthest step reached - restored step) x that run's step time (compute plus data
+  wait per step). Steps are counted from the loop's iterations, anchored to the steps of
+  the saves and the restore;
+* gap: from the end of a failed run to the start of the next one (restart, scheduling,
+  imports and model building until the `Checkpointer` exists);
+* other: the rest of the wall time (set-up before the loop, evaluation outside it, ...).
+
+The interval formulas: Young (1974), T = sqrt(2 C M); Daly (2006, "A higher order estimate
+of the optimum checkpoint interval for restart dumps"),
+T = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C for C < 2M, else M; the
+expected fraction of time lost is Daly's exponential-failure model,
+1 - T / (M e^(R/M) (e^((T+C)/M) - 1)), with T the compute time between saves, C the time a
+save costs, R the restart time and M the mean time between failures.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Plan",
+    "Report",
+    "RunSummary",
+    "Totals",
+    "daly_interval",
+    "format_duration",
+    "lost_fraction",
+    "parse_duration",
+    "plan",
+    "summarise",
+    "utilisation",
+    "young_interval",
+]
+
+SCHEMA_VERSION = 1
+
+# The categories of the timeline and of the stacked totals, in drawing order.
+CATEGORIES = ("compute", "data wait", "checkpoint", "restore", "redo", "gap", "other")
+
+
+# -- checkpoint interval ---------------------------------------------------------------
+
+
+def young_interval(cost: float, mtbf: float) -> float:
+    """Young's optimum compute time between checkpoints, sqrt(2 C M), in seconds."""
+    _check_positive(cost=cost, mtbf=mtbf)
+    return math.sqrt(2.0 * cost * mtbf)
+
+
+def daly_interval(cost: float, mtbf: float) -> float:
+    """Daly's higher-order optimum: sqrt(2CM)(1 + sqrt(C/2M)/3 + (C/2M)/9) - C for C < 2M, else M."""
+    _check_positive(cost=cost, mtbf=mtbf)
+    if cost >= 2.0 * mtbf:
+        return mtbf
+    x = cost / (2.0 * mtbf)
+    return math.sqrt(2.0 * cost * mtbf) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - cost
+
+
+def lost_fraction(interval: float, cost: float, mtbf: float, restart: float = 0.0) -> float:
+    """Expected fraction of wall time that does no useful work: Daly's model for exponential
+    failures, 1 - T / (M e^(R/M) (e^((T+C)/M) - 1)); it counts saves, redone work and restarts.
+
+    Args:
+        interval: compute time between two saves (T), seconds.
+        cost: seconds each save takes from training (C).
+        mtbf: mean time between failures of the whole job (M).
+        restart: seconds from a failure until training runs again, restore included (R).
+    """
+    _check_positive(interval=interval, mtbf=mtbf)
+    if cost < 0 or restart < 0:
+        raise ValueError(f"cost and restart must be >= 0, got cost={cost!r} restart={restart!r}")
+    exponent = (interval + cost) / mtbf + restart / mtbf
+    if exponent > 700:  # e^700 overflows a float: nothing useful gets done at all
+        return 1.0
+    wall = mtbf * math.exp(restart / mtbf) * math.expm1((interval + cost) / mtbf)
+    return max(0.0, min(1.0, 1.0 - interval / wall))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How often to save for one cost per save.
+
+    Attributes:
+        cost_s: seconds of training each save costs.
+        mtbf_s: mean time between failures.
+        restart_s: seconds from a failure until training resumes.
+        young_interval_s: Young's interval, sqrt(2 C M).
+        daly_interval_s: Daly's higher-order interval (the one to use).
+        lost_fraction: expected fraction of time lost at Daly's interval (saves, redone
+            work and restarts).
+        lost_fraction_young: the same at Young's interval.
+    """
+
+    cost_s: float
+    mtbf_s: float
+    restart_s: float
+    young_interval_s: float
+    daly_interval_s: float
+    lost_fraction: float
+    lost_fraction_young: float
+
+
+def plan(cost: float, mtbf: float, restart: float = 0.0) -> Plan:
+    """The checkpoint interval that maximises goodput for a save costing `cost` seconds.
+
+    Example:
+        >>> p = plan(30.0, 8 * 3600.0)
+        >>> round(p.young_interval_s)
+        1315
+    """
+    young = young_interval(cost, mtbf)
+    daly = daly_interval(cost, mtbf)
+    return Plan(
+        cost_s=cost,
+        mtbf_s=mtbf,
+        restart_s=restart,
+        young_interval_s=young,
+        daly_interval_s=daly,
+        lost_fraction=lost_fraction(daly, cost, mtbf, restart),
+        lost_fraction_young=lost_fraction(young, cost, mtbf, restart),
+    )
+
+
+def _check_positive(**values: float) -> None:
+    for name, v in values.items():
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+
+
+# -- durations -------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1.0,
+    "ms": 1e-3,
+    "s": 1.0,
+    "sec": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "h": 3600.0,
+    "hr": 3600.0,
+    "d": 86400.0,
+    "w": 7 * 86400.0,
+}
+_PART_RE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)", re.ASCII)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``30s``, ``5m``, ``8h``, ``1.5d``, ``1h30m``, ``250ms``
+    or a bare number of seconds.
+
+    Raises:
+        ValueError: the text is not such a duration (the message says what is accepted).
+    """
+    s = text.strip().lower()
+    pos, total = 0, 0.0
+    while pos < len(s):
+        m = _PART_RE.match(s, pos)
+        if m is None or m.group(2) not in _UNITS or (m.group(2) == "" and (pos > 0 or m.end() != len(s))):
+            break
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos = m.end()
+        while pos < len(s) and s[pos] == " ":
+            pos += 1
+    else:
+        if s:
+            return total
+    raise ValueError(f"cannot read {text!r} as a duration: use a number with a unit, e.g. 250ms, 30s, 5m, 8h, 1.5d")
+
+
+def format_duration(seconds: float | None) -> str:
+    """``850 us``, ``12.3 ms``, ``4.56 s``, ``12.5 min``, ``3.20 h``, ``2.1 d``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    s = abs(seconds)
+    sign = "-" if seconds < 0 else ""
+    if s == 0:
+        return "0 s"
+    if s < 1e-3:
+        return f"{sign}{s * 1e6:.0f} us"
+    if s < 1:
+        return f"{sign}{s * 1e3:.1f} ms"
+    if s < 60:
+        return f"{sign}{s:.2f} s"
+    if s < 3600:
+        return f"{sign}{s / 60:.1f} min"
+    if s < 86400:
+        return f"{sign}{s / 3600:.2f} h"
+    return f"{sign}{s / 86400:.1f} d"
+
+
+# -- the report ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One run: a `Checkpointer` session, from its start to its close or its last record.
+
+    Times are seconds. `compute_s` includes the redone work (`redo_s` says how much of it
+    was repeated); `other_s` is wall time in none of the measured categories.
+    """
+
+    run: int
+    session: str
+    rank: int
+    start_t: float
+    end_t: float
+    ended: str  # "closed", or "failed": no close record (killed, crashed, preempted)
+    wall_s: float
+    compute_s: float
+    data_wait_s: float
+    checkpoint_s: float
+    restore_s: float
+    redo_s: float | None
+    redo_steps: int
+    other_s: float
+    gap_before_s: float | None  # since the previous run ended (None for the first run)
+    after_failure: bool  # the previous run failed
+    iterations: int
+    saves: int
+    stall_s: float  # summed save() stalls (part of checkpoint_s)
+    mean_stall_s: float | None
+    save_cost_s: float | None  # lost per save: stall + the loop's slowdown while it was written
+    durable_s: dict[str, float]  # per tier, mean seconds from save() to durable there
+    restored_step: int | None
+    furthest_step: int | None
+    step_time_s: float | None
+    errors: int
+    data_wait_exceeds_checkpoint: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Every run together; `wall_s` adds the gaps after failures to the runs' wall times.
+
+    `bar` splits `wall_s` into `CATEGORIES` (the stacked bar): "compute" is useful compute
+    (the redone part moved to "redo"), "data wait" likewise without the redone steps' waits.
+    """
+
+    runs: int
+    failures: int
+    wall_s: float
+    compute_s: float
+    useful_compute_s: float
+    data_wait_s: float
+    checkpoint_s: float
+    restore_s: float
+    redo_s: float
+    gap_s: float
+    other_s: float
+    goodput: float  # useful compute / wall time
+    saves: int
+    mean_stall_s: float | None
+    save_cost_s: float | None
+    blocking_cost_s: float | None  # what a save would have stalled had it blocked until durable
+    durable_s: dict[str, float]
+    data_wait_exceeds_checkpoint: bool
+    bar: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """`tiercheck report`: per run and in total, plus one-line findings (`flags`)."""
+
+    rank: int | None
+    runs: tuple[RunSummary, ...]
+    total: Totals
+    flags: tuple[str, ...]
+    ranks: tuple[int, ...] = ()
+    skipped_records: int = 0
+    _timeline: tuple[_Session, ...] = field(default=(), repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "rank": self.rank,
+            "ranks": list(self.ranks),
+            "runs": [r.to_dict() for r in self.runs],
+            "total": self.total.to_dict(),
+            "flags": list(self.flags),
+            "skipped_records": self.skipped_records,
+        }
+
+
+@dataclass(slots=True)
+class _Session:
+    """Accumulates one session's records (internal)."""
+
+    session: str
+    rank: int
+    start_t: float
+    end_t: float
+    clean: bool = False
+    iterations: int = 0
+    reached: int = 0  # iterations done as the newest heartbeat saw them (a run killed between flushes)
+    beat: Mapping[str, Any] | None = None  # the newest heartbeat: its window, if no loop record covers it
+    loop_end: float = -math.inf  # end of the newest loop window
+    compute_s: float = 0.0
+    data_wait_s: float = 0.0
+    busy_iterations: int = 0
+    busy_compute_s: float = 0.0
+    busy_wait_s: float = 0.0
+    stall_s: float = 0.0
+    blocked_s: float = 0.0
+    restore_s: float = 0.0
+    restored: bool = False
+    restored_step: int | None = None
+    failed: set[tuple[object, object]] = field(default_factory=set)  # (step, tier) that failed
+    anchors: list[tuple[int, int]] = field(default_factory=list)  # (step, iterations done)
+    save_times: list[tuple[float, int]] = field(default_factory=list)  # (t, step)
+    durable: dict[str, list[float]] = field(default_factory=dict)
+    windows: list[tuple[float, float, float, float]] = field(default_factory=list)  # t0, t1, compute, wait
+    intervals: list[tuple[float, float, str]] = field(default_factory=list)  # t0, t1, category
+
+    def saves(self) -> int:
+        return len(self.save_times)
+
+    def ratio(self) -> float:
+        """Steps per loop iteration, from the anchors (1 when they cannot tell)."""
+        pts = sorted(set(self.anchors), key=lambda a: (a[1], a[0]))
+        if len(pts) >= 2 and pts[-1][1] > pts[0][1]:
+            r = (pts[-1][0] - pts[0][0]) / (pts[-1][1] - pts[0][1])
+            if r > 0:
+                return r
+        return 1.0
+
+    def furthest_step(self) -> int | None:
+        # A save made in the body of iteration i is anchored at i, even if the run died
+        # before that iteration finished and was counted.
+        done = max([self.iterations, self.reached] + [it for _, it in self.anchors])
+        if done == 0:
+            steps = [s for s, _ in self.anchors]
+            return max(steps) if steps else None
+        anchors = self.anchors or [(-1, 0)]  # a fresh start: the first iteration makes step 0
+        step, it = max(anchors, key=lambda a: (a[1], a[0]))
+        return step + round((done - it) * self.ratio())
+
+    def step_time(self) -> float | None:
+        if self.iterations > 0:
+            return (self.compute_s + self.data_wait_s) / (self.iterations * self.ratio())
+        pts = sorted(self.save_times)
+        if len(pts) >= 2 and pts[-1][1] > pts[0][1]:
+            return (pts[-1][0] - pts[0][0]) / (pts[-1][1] - pts[0][1])
+        return None
+
+    def per_step(self) -> tuple[float, float]:
+        """(compute, data wait) per step."""
+        if self.iterations == 0:
+            return (self.step_time() or 0.0, 0.0)
+        n = self.iterations * self.ratio()
+        return self.compute_s / n, self.data_wait_s / n
+
+    def save_cost(self) -> float | None:
+        """Stall per save plus the loop's slowdown while saves were in flight, per save."""
+        n = self.saves()
+        if n == 0:
+            return None
+        idle = self.iterations - self.busy_iterations
+        excess = 0.0
+        if idle > 0 and self.busy_iterations > 0:
+            base = (self.compute_s - self.busy_compute_s + self.data_wait_s - self.busy_wait_s) / idle
+            excess = max(0.0, self.busy_compute_s + self.busy_wait_s - self.busy_iterations * base)
+        return (self.stall_s + excess) / n
+
+
+def _num(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _int(v: object) -> int | None:
+    return v if type(v) is int else None
+
+
+def _apply(s: _Session, r: Mapping[str, Any]) -> bool:
+    """Fold one record into its session; False if the record is malformed."""
+    kind = r.get("kind")
+    t = _num(r.get("t"))
+    if t is None:
+        return False
+    s.end_t = max(s.end_t, t)
+    if kind == "loop" or kind == "beat-window":
+        t0 = _num(r.get("t0"))
+        vals = [_num(r.get(k)) for k in ("wait_s", "compute_s", "busy_wait_s", "busy_compute_s")]
+        iters, busy, it = _int(r.get("iters")), _int(r.get("busy_iters")), _int(r.get("iter"))
+        if t0 is None or None in vals or iters is None or busy is None or it is None:
+            return False
+        wait, comp, bwait, bcomp = (v or 0.0 for v in vals)
+        s.iterations = max(s.iterations, it)
+        s.data_wait_s += wait
+        s.compute_s += comp
+        s.busy_iterations += busy
+        s.busy_wait_s += bwait
+        s.busy_compute_s += bcomp
+        s.windows.append((t0, t, comp, wait))
+        s.loop_end = max(s.loop_end, t)
+    elif kind == "save":
+        step, it, stall = _int(r.get("step")), _int(r.get("iter")), _num(r.get("stall_s"))
+        if step is None or it is None or stall is None:
+            return False
+        s.stall_s += stall
+        s.anchors.append((step, it))
+        s.save_times.append((t, step))
+        s.intervals.append((t, t + stall, "checkpoint"))
+    elif kind == "durable":
+        tiers = r.get("tier_s")
+        if not isinstance(tiers, Mapping):
+            return False
+        for name, v in tiers.items():
+            if (x := _num(v)) is not None:
+                s.durable.setdefault(str(name), []).append(x)
+        errors = r.get("errors")
+        if isinstance(errors, Mapping):
+            s.failed.update((r.get("step"), str(k)) for k in errors)
+    elif kind == "restore":
+        dur, step, it = _num(r.get("dur_s")), r.get("step"), _int(r.get("iter"))
+        if dur is None or it is None or not (step is None or type(step) is int):
+            return False
+        s.restore_s += dur
+        s.restored = True
+        s.restored_step = step
+        if step is not None:
+            s.anchors.append((step, it))
+        s.intervals.append((t, t + dur, "restore"))
+    elif kind in ("wait", "drain"):
+        dur = _num(r.get("dur_s"))
+        if dur is None:
+            return False
+        s.blocked_s += dur
+        s.intervals.append((t, t + dur, "checkpoint"))
+    elif kind == "error":
+        s.failed.add((r.get("step"), r.get("tier")))
+    elif kind == "heartbeat":
+        it = _int(r.get("iter"))
+        if it is None:
+            return False
+        s.reached = max(s.reached, it)
+        if s.beat is None or t >= (_num(s.beat.get("t")) or 0.0):
+            s.beat = r
+    elif kind == "close":
+        s.clean = True
+        dur = _num(r.get("dur_s"))
+        if dur is not None:
+            s.blocked_s += dur
+            s.intervals.append((t, t + dur, "checkpoint"))
+            s.end_t = max(s.end_t, t + dur)
+    elif kind != "start":
+        return True  # a kind from a newer version: ignored, not malformed
+    return True
+
+
+def _sessions(records: Iterable[Mapping[str, Any]], rank: int | None) -> tuple[list[_Session], list[int], int]:
+    """Group records by session (of one rank), in start order; also every rank seen and
+    how many records were skipped as malformed."""
+    by_id: dict[str, _Session] = {}
+    ranks: set[int] = set()
+    pending: list[Mapping[str, Any]] = []
+    skipped = 0
+    for r in records:
+        if not isinstance(r, Mapping) or r.get("v") != SCHEMA_VERSION or not isinstance(r.get("session"), str):
+            skipped += 1
+            continue
+        rk = _int(r.get("rank"))
+        if rk is None:
+            skipped += 1
+            continue
+        ranks.add(rk)
+        pending.append(r)
+    chosen = rank if rank is not None else (min(ranks) if ranks else None)
+    mine = sorted(
+        (r for r in pending if r["rank"] == chosen),
+        key=lambda r: (_num(r.get("t")) or 0.0, _int(r.get("seq")) or 0),
+    )
+    for r in mine:
+        sid = r["session"]
+        s = by_id.get(sid)
+        if s is None:
+            t = _num(r.get("t"))
+            if r.get("kind") != "start" or t is None:
+                skipped += 1  # its start record is lost (a torn line): the session cannot be placed
+                continue
+            s = by_id[sid] = _Session(session=sid, rank=r["rank"], start_t=t, end_t=t)
+            continue
+        if not _apply(s, r):
+            skipped += 1
+    for s in by_id.values():
+        # A heartbeat whose window began after the newest loop window ended holds the loop
+        # timing a crash kept from being flushed.
+        beat = s.beat
+        if beat is not None and "iters" in beat and (_num(beat.get("t0")) or -math.inf) >= s.loop_end - 1e-6:
+            _apply(s, {**beat, "kind": "beat-window"})
+    return sorted(by_id.values(), key=lambda s: s.start_t), sorted(ranks), skipped
+
+
+def summarise(records: Iterable[Mapping[str, Any]], rank: int | None = None) -> Report:
+    """The report for one rank's records (default: the lowest rank present).
+
+    Args:
+        records: run-log records in any order (`runlog.read_records`); malformed ones
+            (a line torn by a crash) are skipped and counted.
+        rank: whose records to summarise.
+    """
+    sessions, ranks, skipped = _sessions(records, rank)
+    runs: list[RunSummary] = []
+    redo_parts: list[tuple[float, float]] = []  # per run: redone (compute, data wait)
+    for i, s in enumerate(sessions):
+        prev = sessions[i - 1] if i > 0 else None
+        redo_steps, redo_s, gap = 0, None, None
+        rc = rw = 0.0
+        if prev is not None:
+            gap = max(0.0, s.start_t - prev.end_t)
+            furthest = prev.furthest_step()
+            if s.restored and furthest is not None:
+                base = -1 if s.restored_step is None else s.restored_step
+                redo_steps = max(0, furthest - base)
+                step_time = prev.step_time()
+                if step_time is not None:
+                    redo_s = redo_steps * step_time
+                    pc, pw = prev.per_step()
+                    if pc + pw > 0:
+                        rc, rw = redo_s * pc / (pc + pw), redo_s * pw / (pc + pw)
+            elif not s.restored:
+                redo_s = 0.0
+        redo_parts.append((rc, rw))
+        wall = max(0.0, s.end_t - s.start_t)
+        checkpoint = s.stall_s + s.blocked_s
+        measured = s.compute_s + s.data_wait_s + checkpoint + s.restore_s
+        ckpt_cost = checkpoint + s.restore_s + (redo_s or 0.0)
+        runs.append(
+            RunSummary(
+                run=i + 1,
+                session=s.session,
+                rank=s.rank,
+                start_t=s.start_t,
+                end_t=s.end_t,
+                ended="closed" if s.clean else "failed",
+                wall_s=wall,
+                compute_s=s.compute_s,
+                data_wait_s=s.data_wait_s,
+                checkpoint_s=checkpoint,
+                restore_s=s.restore_s,
+                redo_s=redo_s,
+                redo_steps=redo_steps,
+                other_s=max(0.0, wall - measured),
+                gap_before_s=gap,
+                after_failure=prev is not None and not prev.clean,
+                iterations=s.iterations,
+                saves=s.saves(),
+                stall_s=s.stall_s,
+                mean_stall_s=s.stall_s / s.saves() if s.saves() else None,
+                save_cost_s=s.save_cost(),
+                durable_s={k: sum(v) / len(v) for k, v in sorted(s.durable.items())},
+                restored_step=s.restored_step,
+                furthest_step=s.furthest_step(),
+                step_time_s=s.step_time(),
+                errors=len(s.failed),
+                data_wait_exceeds_checkpoint=s.data_wait_s > ckpt_cost and s.data_wait_s > 0,
+            )
+        )
+    total = _totals(runs, sessions, redo_parts)
+    return Report(
+        rank=sessions[0].rank if sessions else rank,
+        runs=tuple(runs),
+        total=total,
+        flags=tuple(_flags(runs, total)),
+        ranks=tuple(ranks),
+        skipped_records=skipped,
+        _timeline=tuple(sessions),
+    )
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _totals(runs: list[RunSummary], sessions: list[_Session], redo_parts: list[tuple[float, float]]) -> Totals:
+    gap = sum(r.gap_before_s or 0.0 for r in runs if r.after_failure)
+    wall = sum(r.wall_s for r in runs) + gap
+    compute = sum(r.compute_s for r in runs)
+    wait = sum(r.data_wait_s for r in runs)
+    checkpoint = sum(r.checkpoint_s for r in runs)
+    restore = sum(r.restore_s for r in runs)
+    redo = sum(r.redo_s or 0.0 for r in runs)
+    redo_compute = sum(c for c, _ in redo_parts)
+    redo_wait = sum(w for _, w in redo_parts)
+    useful = max(0.0, compute - redo_compute)
+    saves = sum(r.saves for r in runs)
+    durable: dict[str, list[float]] = {}
+    for s in sessions:
+        for k, v in s.durable.items():
+            durable.setdefault(k, []).extend(v)
+    durable_mean = {k: sum(v) / len(v) for k, v in sorted(durable.items())}
+    first_tier = "local" if "local" in durable_mean else next(iter(durable_mean), None)
+    costs = [(r.save_cost_s or 0.0) * r.saves for r in runs if r.saves]
+    bar = {
+        "compute": useful,
+        "data wait": max(0.0, wait - redo_wait),
+        "checkpoint": checkpoint,
+        "restore": restore,
+        "redo": redo,
+        "gap": gap,
+    }
+    bar["other"] = max(0.0, wall - sum(bar.values()))
+    ckpt_cost = checkpoint + restore + redo
+    return Totals(
+        runs=len(runs),
+        failures=sum(1 for r in runs if r.ended == "failed"),
+        wall_s=wall,
+        compute_s=compute,
+        useful_compute_s=useful,
+        data_wait_s=wait,
+        checkpoint_s=checkpoint,
+        restore_s=restore,
+        redo_s=redo,
+        gap_s=gap,
+        other_s=bar["other"],
+        goodput=useful / wall if wall > 0 else 0.0,
+        saves=saves,
+        mean_stall_s=sum(r.stall_s for r in runs) / saves if saves else None,
+        save_cost_s=sum(costs) / saves if saves else None,
+        blocking_cost_s=durable_mean.get(first_tier) if first_tier is not None else None,
+        durable_s=durable_mean,
+        data_wait_exceeds_checkpoint=wait > ckpt_cost and wait > 0,
+        bar=bar,
+    )
+
+
+def _flags(runs: list[RunSummary], total: Totals) -> list[str]:
+    flags: list[str] = []
+    slow = [r.run for r in runs if r.data_wait_exceeds_checkpoint]
+    if total.data_wait_exceeds_checkpoint or slow:
+        where = f"runs {', '.join(map(str, slow))}" if len(slow) > 1 else f"run {slow[0]}" if slow else "in total"
+        share = total.data_wait_s / total.wall_s if total.wall_s > 0 else 0.0
+        flags.append(
+            f"data wait ({format_duration(total.data_wait_s)}, {share:.0%} of wall time) exceeds the checkpoint "
+            f"cost ({format_duration(total.checkpoint_s + total.restore_s + total.redo_s)}: stall + restore + "
+            f"redo) in {where}: the input pipeline, not checkpointing, is the larger loss"
+        )
+    no_loop = [r.run for r in runs if r.iterations == 0 and r.saves > 0]
+    if no_loop:
+        flags.append(
+            "no loop timing in run(s) " + ", ".join(map(str, no_loop)) + ": wrap the data source "
+            "(`for batch in ckpt.timed(loader)`) to measure compute, data wait and redone work"
+        )
+    return flags
+
+
+# -- the timeline ----------------------------------------------------------------------
+
+
+def utilisation(report: Report, bins: int = 400) -> tuple[list[float], dict[str, list[float]]]:
+    """The timeline as fractions of each time bin per category (the vendor's GPU-utilisation
+    chart, split by what the time went to instead): (bin edges in seconds since the first
+    run started, {category: fraction per bin}). Fractions of a bin sum to 1."""
+    sessions = list(report._timeline)
+    if not sessions or bins < 1:
+        return [], {c: [] for c in CATEGORIES}
+    origin = sessions[0].start_t
+    end = max(s.end_t for s in sessions)
+    span = max(end - origin, 1e-9)
+    width = span / bins
+    edges = [i * width for i in range(bins + 1)]
+    acc = {c: [0.0] * bins for c in CATEGORIES}
+
+    def spread(t0: float, t1: float, seconds: float, cat: str) -> None:
+        """Add `seconds` of `cat`, spread evenly over [t0, t1] (seconds since origin)."""
+        if seconds <= 0:
+            return
+        if t1 <= t0:
+            t1 = t0 + seconds
+        density = seconds / (t1 - t0)
+        first = max(0, min(bins - 1, int(t0 / width)))
+        last = max(0, min(bins - 1, int(t1 / width)))
+        for b in range(first, last + 1):
+            lo, hi = max(t0, b * width), min(t1, (b + 1) * width)
+            if hi > lo:
+                acc[cat][b] += density * (hi - lo)
+
+    runs = {r.session: r for r in report.runs}
+    for i, s in enumerate(sessions):
+        run = runs[s.session]
+        redo_left = run.redo_s or 0.0
+        for t0, t1, comp, wait in sorted(s.windows):
+            a, b = t0 - origin, t1 - origin
+            work = comp + wait
+            if work <= 0:
+                continue
+            # The run's first steps are the redone ones: they take the front of the window.
+            moved = min(redo_left, work)
+            redo_left -= moved
+            split = a + (b - a) * moved / work
+            spread(a, split, moved, "redo")
+            spread(split, b, wait * (1 - moved / work), "data wait")
+            spread(split, b, comp * (1 - moved / work), "compute")
+        for t0, t1, cat in s.intervals:
+            spread(t0 - origin, t1 - origin, t1 - t0, cat)
+        if i > 0 and run.after_failure:
+            prev = sessions[i - 1]
+            spread(prev.end_t - origin, s.start_t - origin, max(0.0, s.start_t - prev.end_t), "gap")
+    # Time in a run (or a gap) that no category claims is "other"; between a clean close and
+    # the next start nothing is drawn. A bin whose categories overfill it is scaled down.
+    for b in range(bins):
+        lo, hi = b * width, (b + 1) * width
+        live = sum(max(0.0, min(hi, s.end_t - origin) - max(lo, s.start_t - origin)) for s in sessions)
+        known = sum(acc[c][b] for c in CATEGORIES if c != "other")
+        acc["other"][b] = max(0.0, min(width, live + acc["gap"][b]) - known)
+        scale = 1.0 / max(width, known + acc["other"][b])
+        for c in CATEGORIES:
+            acc[c][b] *= scale
+    return edges, acc

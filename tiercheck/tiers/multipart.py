@@ -1,0 +1,605 @@
+"""Several requests in flight per file: parallel multipart uploads and ranged reads.
+
+One connection to an object store moves ~50-100 MB/s; a node reaches GB/s only with many
+requests in flight. This module holds what the remote tier (`remote.py`) needs for that:
+
+- `part_size_for` (pure): the part size that keeps a file of any size under the store's
+  part-count limit, and spreads a small file over the connections;
+- `MultipartStore`: the calls one backend offers to upload an object in parts, one small
+  class per backend (`S3Parts`, `AzureBlocks`, `GCSCompose`); `store_for(fs)` picks it,
+  or None for stores that take a plain stream (local files, ``memory://``);
+- `PartSource`: where the parts come from (host memory, a tier-1 file, a chunk stream);
+- `upload_parts`: sends a source's parts with at most `concurrency` in flight, each part
+  retried on its own, and aborts the upload on any failure;
+- `RangeReader`: positional reads of one object with concurrent ranged reads, the next
+  bytes fetched ahead meanwhile.
+
+Threads: `upload_parts` runs a pool of at most `concurrency` threads for the duration of
+one call and joins it before it returns; a `RangeReader` keeps one such pool while its file
+is open. Every request goes through the tier's `call` (retry with backoff, and a deadline
+per attempt), so a hung server fails within the retry budget plus one attempt's deadline,
+as a single request does.
+
+Memory: an upload holds at most `concurrency` parts at a time, so at most
+``concurrency x part_size`` bytes beyond the host buffer (parts of the host buffer are
+slices of it: no bytes at all, except on S3, whose client takes only ``bytes``/``bytearray``
+bodies, so a slice is copied once while it is sent). The S3 client (aiohttp) makes up to
+two more copies of each part it is sending. A read holds its pieces while they are copied
+into place, and the bytes it fetched ahead (see `RangeReader`).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import queue
+import secrets
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
+logger = logging.getLogger("tiercheck")
+
+MiB = 1 << 20
+MIN_PART = 1 * MiB  # smaller parts cost more in requests than they gain
+# Ranged reads: S3 advises 8-16 MB; 4 MiB keeps a 32 MiB read on 8 connections, and the
+# bytes fetched ahead keep them busy when the reads are small.
+MIN_READ_PIECE = 4 * MiB
+
+
+class Call(Protocol):
+    """The tier's way to run one request: retried on transient errors within the retry
+    budget (until `stop()` says to give up), each attempt abandoned after its deadline
+    (which grows with `nbytes`)."""
+
+    def __call__(
+        self, what: str, fn: Callable[[], T], nbytes: int = 0, stop: Callable[[], bool] | None = None
+    ) -> T: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """What one object store allows for a multipart upload.
+
+    Attributes:
+        max_parts: parts per object.
+        min_part: bytes of every part but the last.
+        max_part: bytes of one part.
+    """
+
+    max_parts: int
+    min_part: int
+    max_part: int
+
+
+S3_LIMITS = StoreLimits(max_parts=10_000, min_part=5 * MiB, max_part=5 << 30)
+AZURE_LIMITS = StoreLimits(max_parts=50_000, min_part=1, max_part=4000 * MiB)
+# Compose takes 32 sources per request; two levels (32 x 32) bound an object to 1024 parts.
+GCS_LIMITS = StoreLimits(max_parts=1024, min_part=1, max_part=5 << 40)
+
+
+def part_size_for(nbytes: int, block_size: int, concurrency: int, limits: StoreLimits) -> int:
+    """Bytes per part for a file of `nbytes`: `block_size`, or less for a small file so that
+    each of the `concurrency` connections gets a part (never under 1 MiB or the store's
+    minimum), or more for a huge one so that the parts stay within the store's count
+    limit; whole MiB, at most the store's largest part.
+
+    >>> part_size_for(512 * MiB, 16 * MiB, 8, S3_LIMITS) // MiB
+    16
+    >>> part_size_for(2 << 40, 16 * MiB, 8, S3_LIMITS) // MiB   # 2 TiB: 10,000 parts at most
+    210
+    >>> part_size_for(20 * MiB, 16 * MiB, 8, S3_LIMITS) // MiB  # 4 parts of 5 MiB, not 2 of 16
+    5
+    """
+    if nbytes < 0 or block_size < 1 or concurrency < 1:
+        raise ValueError(f"invalid part plan: nbytes={nbytes}, block_size={block_size}, concurrency={concurrency}")
+    floor = max(limits.min_part, MIN_PART)
+    size = max(floor, min(block_size, -(-nbytes // concurrency)))
+    size = max(size, -(-nbytes // limits.max_parts))
+    size = -(-size // MiB) * MiB
+    if size > limits.max_part or -(-nbytes // size) > limits.max_parts:
+        raise ValueError(f"{nbytes} bytes do not fit in {limits.max_parts} parts of at most {limits.max_part} bytes")
+    return size
+
+
+# ---------------------------------------------------------------------------- the stores
+
+
+class MultipartStore(ABC):
+    """The calls one object store offers for uploading one object in parts.
+
+    For each object, `upload_parts` calls ``begin(path)`` once, then ``put_part`` for
+    parts 1..n from up to `concurrency` threads at once (a part may be sent again after a
+    failed attempt, and an abandoned attempt may still be running), then ``complete`` once
+    every part has been acknowledged; after any failure, ``abort`` instead (also after a
+    failed `complete`). Nothing is visible at `path` before `complete` returns. Every call
+    blocks; the caller bounds and retries each. A store with a part-count limit states it
+    in `limits`.
+    """
+
+    limits: StoreLimits
+
+    @abstractmethod
+    def begin(self, path: str) -> Any:
+        """Start an upload to `path`; returns what the other calls take."""
+
+    @abstractmethod
+    def put_part(self, upload: Any, number: int, data: memoryview) -> Any:
+        """Send part `number` (1-based); returns what `complete` needs of it."""
+
+    @abstractmethod
+    def complete(self, upload: Any, parts: Sequence[Any], size: int) -> None:
+        """Make the object of `size` bytes from `parts` (in order) visible at its path."""
+
+    @abstractmethod
+    def abort(self, upload: Any) -> None:
+        """Discard whatever the upload left on the store."""
+
+
+def store_for(fs: Any) -> MultipartStore | None:
+    """The multipart calls for `fs`'s backend, or None where a file is streamed whole."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if protocols & {"s3", "s3a"}:
+        return S3Parts(fs)
+    if protocols & {"az", "abfs", "abfss"}:
+        return AzureBlocks(fs)
+    if protocols & {"gs", "gcs"}:
+        return GCSCompose(fs)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _S3Upload:
+    path: str
+    bucket: str
+    key: str
+    upload_id: str
+
+
+class S3Parts(MultipartStore):
+    """S3 multipart upload: CreateMultipartUpload, UploadPart, CompleteMultipartUpload, and
+    AbortMultipartUpload after a failure (S3 keeps, and bills, the parts of an upload that is
+    neither completed nor aborted: a process killed mid-upload needs the bucket's lifecycle
+    rule ``AbortIncompleteMultipartUpload``, see docs/remote.md)."""
+
+    limits = S3_LIMITS
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    def begin(self, path: str) -> _S3Upload:
+        bucket, key, _ = self.fs.split_path(path)
+        out = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+        return _S3Upload(path, bucket, key, out["UploadId"])
+
+    def put_part(self, upload: _S3Upload, number: int, data: memoryview) -> dict[str, Any]:
+        # botocore takes bytes, bytearray or a file: a part that is a whole bytearray goes
+        # as it is, a slice of the host buffer is copied once. An attempt abandoned at its
+        # deadline that lands later, with the bytes of a buffer reused since, replaces the
+        # part under another ETag: completion then fails (it names the ETags acknowledged)
+        # instead of making a wrong object.
+        owner = data.obj
+        body = owner if isinstance(owner, bytearray) and data.nbytes == len(owner) else bytes(data)
+        out = self.fs.call_s3(
+            "upload_part",
+            Bucket=upload.bucket,
+            Key=upload.key,
+            UploadId=upload.upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def complete(self, upload: _S3Upload, parts: Sequence[Any], size: int) -> None:
+        try:
+            self.fs.call_s3(
+                "complete_multipart_upload",
+                Bucket=upload.bucket,
+                Key=upload.key,
+                UploadId=upload.upload_id,
+                MultipartUpload={"Parts": list(parts)},
+            )
+        except Exception:
+            # A retry of a completion that went through (its answer was lost) finds the
+            # upload gone: the object is there, made of this many parts.
+            self.fs.invalidate_cache(upload.path)
+            try:
+                info = self.fs.info(upload.path)
+            except Exception:
+                info = {}
+            if info.get("size") != size or not str(info.get("ETag", "")).strip('"').endswith(f"-{len(parts)}"):
+                raise
+        self.fs.invalidate_cache(upload.path)
+
+    def abort(self, upload: _S3Upload) -> None:
+        self.fs.call_s3("abort_multipart_upload", Bucket=upload.bucket, Key=upload.key, UploadId=upload.upload_id)
+
+
+@dataclass(frozen=True, slots=True)
+class _AzureUpload:
+    path: str
+    container: str
+    blob: str
+    token: str
+
+    def block_id(self, number: int) -> str:
+        # Every block id of a blob must have the same length. Each attempt stages a block of
+        # its own: an attempt abandoned at its deadline may still land later, with the bytes
+        # of a buffer reused since, and must not replace a block the list commits.
+        return base64.b64encode(f"{self.token}{number:06d}{secrets.token_hex(4)}".encode()).decode()
+
+
+class AzureBlocks(MultipartStore):
+    """Azure block blobs: Put Block per part, then Put Block List naming the blocks
+    acknowledged. Uncommitted blocks never make a blob visible and the service discards them
+    (after 7 days), so there is nothing to abort."""
+
+    limits = AZURE_LIMITS
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, fn, *args)
+
+    def begin(self, path: str) -> _AzureUpload:
+        container, blob, _ = self.fs.split_path(path)
+        return _AzureUpload(path, container, blob, secrets.token_hex(8))
+
+    def put_part(self, upload: _AzureUpload, number: int, data: memoryview) -> str:
+        block_id = upload.block_id(number)
+
+        async def stage() -> None:
+            async with self.fs.service_client.get_blob_client(container=upload.container, blob=upload.blob) as bc:
+                await bc.stage_block(block_id, data, length=data.nbytes, **self.fs._timeout_kwargs)
+
+        self._run(stage)
+        return block_id
+
+    def complete(self, upload: _AzureUpload, parts: Sequence[Any], size: int) -> None:
+        from azure.storage.blob import BlobBlock
+
+        async def commit() -> None:
+            async with self.fs.service_client.get_blob_client(container=upload.container, blob=upload.blob) as bc:
+                await bc.commit_block_list(
+                    [BlobBlock(block_id=b) for b in parts],
+                    metadata={"is_directory": "false"},  # what adlfs' own uploads set
+                    **self.fs._timeout_kwargs,
+                )
+
+        self._run(commit)
+        self.fs.invalidate_cache(self.fs._parent(upload.path))
+
+    def abort(self, upload: _AzureUpload) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _GCSUpload:
+    path: str
+    prefix: str  # part objects are named prefix + number + attempt, next to the object
+
+    def part(self, number: int) -> str:
+        # An object per attempt, for the reason `_AzureUpload.block_id` gives.
+        return f"{self.prefix}{number:05d}-{secrets.token_hex(3)}"
+
+
+class GCSCompose(MultipartStore):
+    """GCS parallel composite upload: each part is an object of its own next to the target
+    (``<name>.tcpart-<token>-<n>-<attempt>``), composed into the target (32 sources per request, in
+    two levels beyond 32 parts), then deleted; an abort deletes them."""
+
+    limits = GCS_LIMITS
+    FAN_IN = 32
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    def begin(self, path: str) -> _GCSUpload:
+        return _GCSUpload(path, f"{path}.tcpart-{secrets.token_hex(6)}-")
+
+    def put_part(self, upload: _GCSUpload, number: int, data: memoryview) -> str:
+        name = upload.part(number)
+        self.fs.pipe_file(name, data)
+        return name
+
+    def complete(self, upload: _GCSUpload, parts: Sequence[Any], size: int) -> None:
+        sources = list(parts)
+        made: list[str] = []
+        if len(sources) > self.FAN_IN:
+            groups = [sources[i : i + self.FAN_IN] for i in range(0, len(sources), self.FAN_IN)]
+            for i, group in enumerate(groups):
+                name = f"{upload.prefix}c{i:03d}"
+                self.fs.merge(name, group)
+                made.append(name)
+            sources = made
+        self.fs.merge(upload.path, sources)
+        self.fs.invalidate_cache(self.fs._parent(upload.path))
+        self._delete([*parts, *made], upload)
+
+    def abort(self, upload: _GCSUpload) -> None:
+        parent = self.fs._parent(upload.path)
+        self.fs.invalidate_cache(parent)
+        try:
+            found = [p for p in self.fs.find(parent) if p.startswith(upload.prefix.lstrip("/"))]
+        except FileNotFoundError:
+            return
+        self._delete(found, upload)
+
+    def _delete(self, names: Sequence[str], upload: _GCSUpload) -> None:
+        if not names:
+            return
+        try:
+            self.fs.rm(list(names))
+        except Exception as exc:  # leftovers sit in an unlisted name; deleting the step removes them
+            logger.warning("could not delete the %d part objects of %s: %r", len(names), upload.path, exc)
+
+
+# --------------------------------------------------------------------------- the sources
+
+
+class PartSource(ABC):
+    """A file's bytes, handed out part by part to `upload_parts` (from one thread).
+
+    `uses_buffers` says whether parts are copied into the part buffers the uploader lends
+    (`next_part`'s `buf`, `part_size` bytes each) or are views of memory the source holds.
+    """
+
+    uses_buffers: bool = True
+
+    @abstractmethod
+    def next_part(self, buf: bytearray, n: int) -> memoryview:
+        """The next at most `n` bytes (exactly `n` unless at the end); empty at the end."""
+
+
+class ViewSource(PartSource):
+    """Parts of a buffer in memory: slices, no copy. `ready(end)`, if given, blocks until
+    the first `end` bytes of `view` are final (the host buffer may still be filling)."""
+
+    uses_buffers = False
+
+    def __init__(self, view: memoryview, ready: Callable[[int], None] | None = None) -> None:
+        self._view = view
+        self._ready = ready
+        self._pos = 0
+
+    def next_part(self, buf: bytearray, n: int) -> memoryview:
+        start = self._pos
+        end = min(len(self._view), start + n)
+        if self._ready is not None and end > start:
+            self._ready(end)
+        self._pos = end
+        return self._view[start:end]
+
+
+class FileSource(PartSource):
+    """Parts of an open local file (its descriptor), read with pread into the part buffers."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd = fd
+        self._size = size
+        self._pos = 0
+
+    def next_part(self, buf: bytearray, n: int) -> memoryview:
+        want = min(n, self._size - self._pos)
+        view = memoryview(buf)[:want]
+        got = 0
+        while got < want:
+            k = os.preadv(self._fd, [view[got:]], self._pos + got)
+            if k == 0:
+                raise EOFError(f"file descriptor {self._fd}: ends at byte {self._pos + got}, expected {self._size}")
+            got += k
+        self._pos += want
+        return view
+
+
+class ChunkSource(PartSource):
+    """Parts gathered from a stream of chunks (a compressor's output, packed regions)."""
+
+    def __init__(self, chunks: Iterator[bytes | memoryview]) -> None:
+        self._chunks = chunks
+        self._carry = memoryview(b"")
+
+    def next_part(self, buf: bytearray, n: int) -> memoryview:
+        view = memoryview(buf)
+        filled = 0
+        while filled < n:
+            if not len(self._carry):
+                chunk = next(self._chunks, None)
+                if chunk is None:
+                    break
+                self._carry = memoryview(chunk).cast("B")
+                continue
+            k = min(n - filled, len(self._carry))
+            view[filled : filled + k] = self._carry[:k]
+            self._carry = self._carry[k:]
+            filled += k
+        return view[:filled]
+
+
+# ------------------------------------------------------------------------ the transfers
+
+
+def upload_parts(
+    store: MultipartStore,
+    path: str,
+    source: PartSource,
+    part_size: int,
+    concurrency: int,
+    call: Call,
+    call_once: Callable[[str, Callable[[], None]], None],
+    before_send: Callable[[int], None] = lambda n: None,
+) -> int:
+    """Upload `source` to `path` in parts of `part_size` bytes, `concurrency` at a time;
+    returns the bytes uploaded. Each request goes through `call` (each part retried on its
+    own); on any failure the upload is aborted with one bounded attempt (`call_once`), the
+    parts still in flight are waited for, and the first error is raised. `before_send(n)`
+    runs before each part is sent (a rate limit)."""
+    upload = call(f"starting a multipart upload of {path}", lambda: store.begin(path))
+    failed = threading.Event()
+    errors: list[BaseException] = []
+    acks: dict[int, Any] = {}
+    slots: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+    for _ in range(concurrency):
+        slots.put(bytearray())  # the buffer is allocated when a part first needs it
+
+    def send(number: int, data: memoryview, slot: bytearray) -> None:
+        try:
+            if not failed.is_set():
+                before_send(data.nbytes)
+                acks[number] = call(
+                    f"uploading part {number} of {path}",
+                    lambda: store.put_part(upload, number, data),
+                    data.nbytes,
+                    failed.is_set,
+                )
+        except BaseException as exc:
+            errors.append(exc)
+            failed.set()
+        finally:
+            slots.put(slot)
+
+    count = stored = 0
+    try:
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="tiercheck-part") as pool:
+            try:
+                while (slot := _take(slots, failed)) is not None:
+                    if source.uses_buffers and len(slot) < part_size:
+                        slot = bytearray(part_size)
+                    data = source.next_part(slot, part_size)
+                    if not data.nbytes:
+                        slots.put(slot)
+                        break
+                    count += 1
+                    if count > store.limits.max_parts:
+                        raise ValueError(f"{path}: more than {store.limits.max_parts} parts of {part_size} bytes")
+                    stored += data.nbytes
+                    pool.submit(send, count, data, slot)
+            except BaseException:
+                failed.set()
+                raise
+        if errors:
+            raise errors[0]
+        parts = [acks[i] for i in range(1, count + 1)]
+        call(f"completing the multipart upload of {path}", lambda: store.complete(upload, parts, stored))
+    except BaseException:
+        failed.set()
+        try:
+            call_once(f"aborting the multipart upload of {path}", lambda: store.abort(upload))
+        except Exception as exc:  # best effort: nothing unfinished is ever visible
+            logger.warning("could not abort the multipart upload of %s: %r", path, exc)
+        raise
+    return stored
+
+
+def _take(slots: queue.SimpleQueue[bytearray], failed: threading.Event) -> bytearray | None:
+    """A free part slot, or None once the upload has failed."""
+    while not failed.is_set():
+        with contextlib.suppress(queue.Empty):
+            return slots.get(timeout=0.05)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    start: int
+    end: int
+    data: Future[bytes]
+
+
+class RangeReader:
+    """Positional reads of one object, with up to `concurrency` ranged reads in flight.
+
+    A read is split into pieces of at least 4 MiB fetched concurrently and copied into the
+    destination as they arrive. Meanwhile the bytes after it (as many as it asked for, at
+    least 4 MiB per connection, at most 32 MiB) are fetched too, queued behind its own
+    pieces, so that a reader going through the file in order (restore, a zstd stream) finds
+    them there: the connections never sit idle waiting for the slowest piece of a read, and
+    a run of small reads costs one request. A read elsewhere drops what was fetched ahead.
+    Memory: the pieces of one read in flight plus the bytes fetched ahead, at most 64 MiB.
+
+    One reader thread at a time; `close()` stops the fetches (each ends within its attempt's
+    deadline) without waiting for them.
+    """
+
+    AHEAD_MAX = 32 * MiB
+
+    def __init__(self, fetch: Callable[[int, int], bytes], size: int, concurrency: int, call: Call, what: str) -> None:
+        self._fetch = fetch
+        self._size = size
+        self._concurrency = concurrency
+        self._call = call
+        self._what = what
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: list[_Piece] = []  # fetched ahead, consecutive, in file order
+        self._closed = threading.Event()
+
+    def _submit(self, start: int, end: int) -> list[_Piece]:
+        """Pieces covering [start, end), queued on the pool."""
+        if end <= start:
+            return []
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="tiercheck-read")
+        total = end - start
+        count = max(1, min(self._concurrency, total // MIN_READ_PIECE))
+        step = -(-total // count)
+        pool = self._pool
+        return [
+            _Piece(p, min(p + step, end), pool.submit(self._get, p, min(p + step, end)))
+            for p in range(start, end, step)
+        ]
+
+    def _get(self, start: int, end: int) -> bytes:
+        n = end - start
+        data = self._call(self._what, lambda: self._fetch(start, n), n, self._closed.is_set)
+        if len(data) != n:
+            raise EOFError(f"{self._what}: the file ends before byte {end}")
+        return data
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        end = offset + dest.nbytes
+        if dest.nbytes == 0:
+            return
+        use: list[_Piece] = []
+        keep: list[_Piece] = []
+        for p in self._ahead:
+            if p.end <= offset:
+                p.data.cancel()  # behind this read: not needed
+            elif p.start >= end:
+                keep.append(p)
+            else:
+                use.append(p)
+        if use and use[0].start > offset:  # starts before what was fetched ahead
+            for p in use + keep:
+                p.data.cancel()
+            use, keep = [], []
+        covered = use[-1].end if use else offset
+        if use and use[-1].end > end:  # its tail is the next read's start
+            keep.insert(0, use[-1])
+        pieces = use + self._submit(covered, end)
+        ahead_from = keep[-1].end if keep else max(end, covered)
+        # as much as this read, and enough for every connection to have a piece or two
+        want = min(max(dest.nbytes, self._concurrency * MIN_READ_PIECE), self.AHEAD_MAX)
+        if ahead_from - end < want // 2:  # refill in large requests, not a sliver per small read
+            keep += self._submit(ahead_from, min(self._size, end + want))
+        self._ahead = keep
+        for p in pieces:
+            data = memoryview(p.data.result())
+            lo, hi = max(p.start, offset), min(p.end, end)
+            dest[lo - offset : hi - offset] = data[lo - p.start : hi - p.start]
+
+    def close(self) -> None:
+        self._closed.set()  # fetches in flight stop retrying
+        for p in self._ahead:
+            p.data.cancel()
+        self._ahead = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
