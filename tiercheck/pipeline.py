@@ -15,6 +15,9 @@ Two workers, one per tier, each draining its own queue:
 A step tier-2 retention would keep stays on tier 1 until it is on tier 2: while it waits
 for its upload, and after a failed upload (the next session's catch-up uploads it).
 
+Done callbacks (`SaveHandle.add_done_callback`) run one at a time on a third worker, started
+at the first one, so a slow callback never holds the writer or the uploader.
+
 A session only reads until `become_writer` (its first save or prepare): it then takes its
 rank's writer lock on tier 1, sweeps that rank's leftovers, and catches up the uploads an
 earlier run left undone.
