@@ -296,3 +296,13 @@ def test_partly_overlapping_template_views_are_refused(make_ckpt):
     with pytest.raises(tiercheck.StateMismatchError, match=r"state\['a'\] and state\['b'\].*overlap"):
         ckpt.restore(template)
     assert torch.equal(base, torch.zeros(6))
+
+
+def test_separate_arrays_in_neighbouring_memory_are_not_an_overlap(make_ckpt):
+    """numpy strides count bytes: two arrays side by side in one buffer do not overlap."""
+    ckpt = make_ckpt()
+    ckpt.save(1, {"a": np.arange(12.0).reshape(3, 4), "b": np.arange(4.0)}).wait()
+    base = np.zeros(16)
+    template: dict[str, Any] = {"a": base[:12].reshape(3, 4), "b": base[12:]}
+    ckpt.restore(template)
+    assert np.array_equal(base, np.concatenate([np.arange(12.0), np.arange(4.0)]))

@@ -361,7 +361,7 @@ def _tensor_memory(t: torch.Tensor) -> _Memory | None:
 def _array_memory(a: np.ndarray[Any, Any]) -> _Memory | None:
     if a.size == 0:
         return None
-    span = (sum((n - 1) * abs(st) for n, st in zip(a.shape, a.strides, strict=True)) + 1) * a.itemsize
+    span = sum((n - 1) * abs(st) for n, st in zip(a.shape, a.strides, strict=True)) + a.itemsize  # strides in bytes
     address = int(a.__array_interface__["data"][0])
     low = address + sum((n - 1) * st for n, st in zip(a.shape, a.strides, strict=True) if st < 0)
     return ("numpy", low, a.shape, a.strides, a.dtype.str), span
