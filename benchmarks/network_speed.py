@@ -61,11 +61,14 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 import tiercheck  # noqa: E402
 from tests.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
 from tiercheck import layout  # noqa: E402
+from tiercheck.restore import read_manifest, verify_files  # noqa: E402
+from tiercheck.tiers.local import LocalTier  # noqa: E402
 
 MiB = 1 << 20
 MB = 1e6
 SHARD = layout.shard_name(0, 1)
 UP = ("up_tiercheck", "up_put_file", "up_open_wb", "up_dcp")
+EXTRA = ("up_tiercheck_verify",)
 DOWN = ("dn_tiercheck", "dn_get_file", "dn_open_rb", "dn_dcp")
 DIRECT = ("up_tiercheck_direct", "up_put_file_direct", "dn_tiercheck_direct", "dn_get_file_direct")
 LABELS = {
@@ -74,6 +77,7 @@ LABELS = {
     "up_open_wb": "s3fs `open('wb')`, 16 MiB blocks",
     "up_dcp": "DCP `FsspecWriter(thread_count={dcp})`",
     "up_tiercheck_direct": "tiercheck upload, direct (no proxy)",
+    "up_tiercheck_verify": "  of which: checksum of the tier-1 copy before its upload",
     "up_put_file_direct": "fsspec `put_file`, direct (no proxy)",
     "dn_tiercheck": "tiercheck restore from tier 2 (fresh node)",
     "dn_get_file": "fsspec `get_file`",
@@ -145,7 +149,7 @@ class Run:
         }
         self.fs = {k: fsspec.filesystem("s3", **o) for k, o in self.opts.items()}
         self.url = f"{server.url_root}/bench-{os.getpid()}"
-        self.times: dict[str, list[float]] = {m: [] for m in (*UP, *DOWN, *DIRECT)}
+        self.times: dict[str, list[float]] = {m: [] for m in (*UP, *DOWN, *DIRECT, *EXTRA)}
         # CPU seconds per method of: this process (client), the shaping proxy, the server
         self.cpu: dict[str, list[tuple[float, float, float]]] = {m: [] for m in self.times}
         self.pids: tuple[int | None, int | None, int | None] = (None, None, None)
@@ -196,6 +200,15 @@ class Run:
         ckpt.wait()  # retention too, so it does not overlap the next method
         st = h.stats
         if link == "shaped":
+            # the uploader first checks the tier-1 copy (never spread a damaged one): the same
+            # work again, timed alone, with the page cache dropped as the O_DIRECT writer leaves it
+            tier1 = os.path.join(self.root, "tier1-shaped")
+            shard = os.path.join(tier1, layout.step_dir_name(self.step), SHARD)
+            drop_file_cache(shard)
+            local = LocalTier(tier1)
+            t0 = time.perf_counter()
+            verify_files(local, self.step, read_manifest(local, self.step, 0))
+            self.times["up_tiercheck_verify"].append(time.perf_counter() - t0)
             self.durable.append(
                 {
                     "stall_s": st.stall_s,
@@ -299,6 +312,7 @@ def run(args: argparse.Namespace, root: str, server: SeaweedFS, proxy: ShapingPr
         for link in ("shaped", "direct"):
             r.up_tiercheck(link)
         r.durable.clear()
+        r.times["up_tiercheck_verify"].clear()
         shutil.copyfile(os.path.join(root, "tier1-direct", layout.step_dir_name(r.last["direct"]), SHARD), r.ref)
         r.shard_bytes = os.path.getsize(r.ref)
         r.fs["direct"].put_file(r.ref, f"{r.url}/put-direct/{SHARD}")
@@ -400,13 +414,14 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         "| CPU s: client / proxy / server |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for m in (*UP, *DOWN, *DIRECT):
+    for m in (UP[0], *EXTRA, *UP[1:], *DOWN, *DIRECT):
         v = times[m]
         label = LABELS[m].format(dcp=args.dcp_threads)
         lim = f"{limit[m]:.0f}" if m in limit else ""
         ratio = f"{mbps[m] / limit[m]:.2f}" if m in limit else ""
         timing = [f"{med[m]:.2f}", f"{min(v):.2f}", f"{max(v):.2f}", f"{mbps[m]:.1f}"]
-        cpu = " / ".join(f"{statistics.median(c[i] for c in r['cpu'][m]):.1f}" for i in range(3))
+        cpus = r["cpu"][m]
+        cpu = " / ".join(f"{statistics.median(c[i] for c in cpus):.1f}" for i in range(3)) if cpus else ""
         cells = [label, conns.get(m, ""), *timing, lim, ratio, cpu]
         print("| " + " | ".join(map(str, cells)) + " |")
     print()
