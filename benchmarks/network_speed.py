@@ -61,19 +61,24 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 import tiercheck  # noqa: E402
 from tests.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
 from tiercheck import layout  # noqa: E402
+from tiercheck.restore import read_manifest, verify_files  # noqa: E402
+from tiercheck.tiers.local import LocalTier  # noqa: E402
 
 MiB = 1 << 20
 MB = 1e6
 SHARD = layout.shard_name(0, 1)
 UP = ("up_tiercheck", "up_put_file", "up_open_wb", "up_dcp")
+EXTRA = ("up_tiercheck_verify",)
 DOWN = ("dn_tiercheck", "dn_get_file", "dn_open_rb", "dn_dcp")
 DIRECT = ("up_tiercheck_direct", "up_put_file_direct", "dn_tiercheck_direct", "dn_get_file_direct")
+UNCAPPED = ("up_tiercheck_uncapped", "dn_tiercheck_uncapped")
 LABELS = {
     "up_tiercheck": "tiercheck upload (local commit -> remote commit)",
     "up_put_file": "fsspec `put_file`",
     "up_open_wb": "s3fs `open('wb')`, 16 MiB blocks",
     "up_dcp": "DCP `FsspecWriter(thread_count={dcp})`",
     "up_tiercheck_direct": "tiercheck upload, direct (no proxy)",
+    "up_tiercheck_verify": "  of which: checksum of the tier-1 copy before its upload",
     "up_put_file_direct": "fsspec `put_file`, direct (no proxy)",
     "dn_tiercheck": "tiercheck restore from tier 2 (fresh node)",
     "dn_get_file": "fsspec `get_file`",
@@ -81,6 +86,8 @@ LABELS = {
     "dn_dcp": "DCP `FsspecReader` (`dcp.load`)",
     "dn_tiercheck_direct": "tiercheck restore, direct (no proxy)",
     "dn_get_file_direct": "fsspec `get_file`, direct (no proxy)",
+    "up_tiercheck_uncapped": "tiercheck upload, proxy without a cap (same RTT)",
+    "dn_tiercheck_uncapped": "tiercheck restore, proxy without a cap (same RTT)",
 }
 
 
@@ -133,26 +140,27 @@ def git_rev() -> str:
 class Run:
     """The state, the clients and one timing list per method."""
 
-    def __init__(self, args: argparse.Namespace, root: str, server: SeaweedFS, proxy_port: int) -> None:
+    def __init__(self, args: argparse.Namespace, root: str, server: SeaweedFS, ports: dict[str, int]) -> None:
         self.args = args
         self.root = root
         self.state = make_state(args.size_mib)
         self.template = {k: torch.zeros_like(v) for k, v in self.state.items()}
         base = {"key": server.KEY, "secret": server.SECRET, "skip_instance_cache": True}
         self.opts = {
-            "shaped": dict(base, endpoint_url=f"http://127.0.0.1:{proxy_port}"),
+            "shaped": dict(base, endpoint_url=f"http://127.0.0.1:{ports['shaped']}"),
+            "uncapped": dict(base, endpoint_url=f"http://127.0.0.1:{ports['uncapped']}"),
             "direct": dict(base, endpoint_url=server.endpoint_url),
         }
         self.fs = {k: fsspec.filesystem("s3", **o) for k, o in self.opts.items()}
         self.url = f"{server.url_root}/bench-{os.getpid()}"
-        self.times: dict[str, list[float]] = {m: [] for m in (*UP, *DOWN, *DIRECT)}
+        self.times: dict[str, list[float]] = {m: [] for m in (*UP, *DOWN, *DIRECT, *UNCAPPED, *EXTRA)}
         # CPU seconds per method of: this process (client), the shaping proxy, the server
         self.cpu: dict[str, list[tuple[float, float, float]]] = {m: [] for m in self.times}
-        self.pids: tuple[int | None, int | None, int | None] = (None, None, None)
+        self.pids: dict[str, tuple[int | None, int | None, int | None]] = {}  # per link
         self.last_cpu = (0.0, 0.0, 0.0)
         self.durable: list[dict[str, float]] = []  # per tiercheck save: stall and tier_s
         self.step = 0
-        self.last = {"shaped": 0, "direct": 0}  # the newest step saved through each link
+        self.last = {"shaped": 0, "direct": 0, "uncapped": 0}  # the newest step saved through each link
         self.ckpts = {
             link: tiercheck.Checkpointer(
                 local=os.path.join(root, f"tier1-{link}"),
@@ -162,7 +170,7 @@ class Run:
                 keep_remote=1,
                 remote_concurrency=args.concurrency,
             )
-            for link in ("shaped", "direct")
+            for link in ("shaped", "direct", "uncapped")
         }
         self.ref = os.path.join(root, "shard-copy.bin")
         self.shard_bytes = 0
@@ -172,15 +180,15 @@ class Run:
         for c in self.ckpts.values():
             c.close()
 
-    def start(self) -> tuple[float, list[float]]:
+    def start(self, link: str = "shaped") -> tuple[float, str, list[float]]:
         """Start the clock (wall time and the CPU of client, proxy and server)."""
-        return time.perf_counter(), [cpu_seconds(p) for p in self.pids]
+        return time.perf_counter(), link, [cpu_seconds(p) for p in self.pids[link]]
 
-    def stop(self, started: tuple[float, list[float]]) -> float:
+    def stop(self, started: tuple[float, str, list[float]]) -> float:
         """Stop the clock: record the CPU used since `started`, return the wall seconds."""
-        t0, cpu0 = started
+        t0, link, cpu0 = started
         elapsed = time.perf_counter() - t0
-        used = [cpu_seconds(p) - c for p, c in zip(self.pids, cpu0, strict=True)]
+        used = [cpu_seconds(p) - c for p, c in zip(self.pids[link], cpu0, strict=True)]
         self.last_cpu = (used[0], used[1], used[2])
         return elapsed
 
@@ -189,13 +197,22 @@ class Run:
         self.step += 1
         self.last[link] = self.step
         ckpt = self.ckpts[link]
-        clock = self.start()
+        clock = self.start(link)
         h = ckpt.save(self.step, self.state)
         h.wait("remote")
         durable = self.stop(clock)
         ckpt.wait()  # retention too, so it does not overlap the next method
         st = h.stats
         if link == "shaped":
+            # the uploader first checks the tier-1 copy (never spread a damaged one): the same
+            # work again, timed alone, with the page cache dropped as the O_DIRECT writer leaves it
+            tier1 = os.path.join(self.root, "tier1-shaped")
+            shard = os.path.join(tier1, layout.step_dir_name(self.step), SHARD)
+            drop_file_cache(shard)
+            local = LocalTier(tier1)
+            t0 = time.perf_counter()
+            verify_files(local, self.step, read_manifest(local, self.step, 0))
+            self.times["up_tiercheck_verify"].append(time.perf_counter() - t0)
             self.durable.append(
                 {
                     "stall_s": st.stall_s,
@@ -208,7 +225,7 @@ class Run:
 
     def up_put_file(self, link: str = "shaped") -> float:
         drop_file_cache(self.ref)
-        clock = self.start()
+        clock = self.start(link)
         self.fs[link].put_file(self.ref, f"{self.url}/put-{link}/{SHARD}")
         return self.stop(clock)
 
@@ -239,7 +256,7 @@ class Run:
             local=fresh, remote=url, storage_options=self.opts[link], remote_concurrency=self.args.concurrency
         ) as c:
             assert c.steps("local") == [] and c.steps("remote")  # a fresh node; the client is set up
-            clock = self.start()
+            clock = self.start(link)
             got = c.restore(self.template)
             elapsed = self.stop(clock)
         assert got == self.last[link]
@@ -250,7 +267,7 @@ class Run:
         out = os.path.join(self.root, "got.bin")
         fs = self.fs[link]
         fs.info(f"{self.url}/put-direct/{SHARD}")
-        clock = self.start()
+        clock = self.start(link)
         fs.get_file(f"{self.url}/put-direct/{SHARD}", out)
         elapsed = self.stop(clock)
         os.unlink(out)
@@ -288,17 +305,22 @@ class Run:
             ("dn_dcp", self.dn_dcp),
             ("dn_tiercheck_direct", lambda: self.dn_tiercheck("direct")),
             ("dn_get_file_direct", lambda: self.dn_get_file("direct")),
+            ("up_tiercheck_uncapped", lambda: self.up_tiercheck("uncapped")),
+            ("dn_tiercheck_uncapped", lambda: self.dn_tiercheck("uncapped")),
         ]
 
 
-def run(args: argparse.Namespace, root: str, server: SeaweedFS, proxy: ShapingProxyProcess) -> dict[str, Any]:
-    r = Run(args, root, server, proxy.port)
-    r.pids = (None, proxy.proc.pid, server.pid)
+def run(
+    args: argparse.Namespace, root: str, server: SeaweedFS, proxies: dict[str, ShapingProxyProcess]
+) -> dict[str, Any]:
+    r = Run(args, root, server, {k: p.port for k, p in proxies.items()})
+    r.pids = {k: (None, p.proc.pid, server.pid) for k, p in proxies.items()} | {"direct": (None, 0, server.pid)}
     try:
         # warm-up (not timed): buffers, clients, connections, every object the reads need
-        for link in ("shaped", "direct"):
+        for link in ("shaped", "direct", "uncapped"):
             r.up_tiercheck(link)
         r.durable.clear()
+        r.times["up_tiercheck_verify"].clear()
         shutil.copyfile(os.path.join(root, "tier1-direct", layout.step_dir_name(r.last["direct"]), SHARD), r.ref)
         r.shard_bytes = os.path.getsize(r.ref)
         r.fs["direct"].put_file(r.ref, f"{r.url}/put-direct/{SHARD}")
@@ -359,8 +381,12 @@ def main() -> None:
     t_start = time.monotonic()
     try:
         server.start()
-        with ShapingProxyProcess(server.port, rate_bps=args.rate_mbps * MB, rtt_s=args.rtt_ms / 1e3) as proxy:
-            results = run(args, root, server, proxy)
+        rtt = args.rtt_ms / 1e3
+        with (
+            ShapingProxyProcess(server.port, rate_bps=args.rate_mbps * MB, rtt_s=rtt) as shaped,
+            ShapingProxyProcess(server.port, rate_bps=None, rtt_s=rtt) as uncapped,
+        ):
+            results = run(args, root, server, {"shaped": shaped, "uncapped": uncapped})
     finally:
         server.close()
         shutil.rmtree(server_dir, ignore_errors=True)
@@ -400,18 +426,25 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         "| CPU s: client / proxy / server |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for m in (*UP, *DOWN, *DIRECT):
+    for m in (UP[0], *EXTRA, *UP[1:], *DOWN, *DIRECT, *UNCAPPED):
         v = times[m]
         label = LABELS[m].format(dcp=args.dcp_threads)
         lim = f"{limit[m]:.0f}" if m in limit else ""
         ratio = f"{mbps[m] / limit[m]:.2f}" if m in limit else ""
         timing = [f"{med[m]:.2f}", f"{min(v):.2f}", f"{max(v):.2f}", f"{mbps[m]:.1f}"]
-        cpu = " / ".join(f"{statistics.median(c[i] for c in r['cpu'][m]):.1f}" for i in range(3))
+        cpus = r["cpu"][m]
+        cpu = " / ".join(f"{statistics.median(c[i] for c in cpus):.1f}" for i in range(3)) if cpus else ""
         cells = [label, conns.get(m, ""), *timing, lim, ratio, cpu]
         print("| " + " | ".join(map(str, cells)) + " |")
     print()
     up, dn = ceiling["up"], ceiling["dn"]
     print(f"Server ceiling over loopback (best direct method): upload {up:.1f} MB/s, restore {dn:.1f} MB/s.")
+    via_up, via_dn = mbps["up_tiercheck_uncapped"], mbps["dn_tiercheck_uncapped"]
+    print(
+        f"Through the proxy without its cap (same RTT), tiercheck moves {via_up:.1f} MB/s up and {via_dn:.1f} MB/s "
+        f"down: what this machine carries with the proxy's CPU in the path; the shaped upload is "
+        f"{mbps['up_tiercheck'] / via_up:.2f}x of it, the shaped restore {mbps['dn_tiercheck'] / via_dn:.2f}x."
+    )
     print()
     targets = []
     for d, tc, single, peers in (

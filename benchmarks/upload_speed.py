@@ -15,8 +15,11 @@ Per repeat, methods in rotated order:
 (e) the same ``put_file`` with ``max_concurrency=1`` (parts one at a time), which shows what
     uploading parts concurrently is worth on this server;
 (d) plain ``fs.open(path, "wb", block_size=16 MiB)`` streaming the same file in 16 MiB writes,
-    which is the s3fs call RemoteTier makes: it isolates s3fs' streamed multipart
-    upload from tiercheck's own overhead.
+    the s3fs call RemoteTier made before it sent parts in parallel (it still does on stores
+    without multipart calls).
+
+Over loopback the server is the limit; ``benchmarks/network_speed.py`` measures the same
+methods through a shaped link, where parts in flight matter.
 
 And from (a)'s runs: (c) time from calling ``save()`` to ``handle.wait("remote")`` returning
 (durable on the remote tier), and the ``save()`` stall itself.
@@ -207,7 +210,7 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         "a": "a. tiercheck upload (local commit -> remote commit)",
         "b": "b. fsspec put_file of the shard",
         "e": "e. fsspec put_file, max_concurrency=1",
-        "d": "d. s3fs open('wb', 16 MiB blocks) of the shard (what RemoteTier calls)",
+        "d": "d. s3fs open('wb', 16 MiB blocks) of the shard (parts one at a time)",
         "c": "c. tiercheck save() -> durable on remote",
         "stall": "   tiercheck save() stall",
     }

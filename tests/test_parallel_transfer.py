@@ -154,6 +154,8 @@ def test_checkpointer_fresh_node_round_trip_of_a_multipart_step(server: ObjectSt
         assert c.restore(tmpl) == 3
         assert tmpl["w"] is w_before  # filled in place
         assert torch.equal(tmpl["w"], state["w"]) and torch.equal(tmpl["b"], state["b"]) and tmpl["step"] == 3
+    # the pools of parts and ranges are joined: nothing of them outlives the calls
+    assert [t.name for t in threading.enumerate() if t.name.startswith(("tiercheck-read", "tiercheck-part"))] == []
 
 
 # ------------------------------------------------------------------------- parallelism

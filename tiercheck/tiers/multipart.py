@@ -526,8 +526,9 @@ class RangeReader:
     a run of small reads costs one request. A read elsewhere drops what was fetched ahead.
     Memory: the pieces of one read in flight plus the bytes fetched ahead, at most 64 MiB.
 
-    One reader thread at a time; `close()` stops the fetches (each ends within its attempt's
-    deadline) without waiting for them.
+    One reader thread at a time. `close()` drops what is queued, stops retrying, and joins
+    the pool: a fetch still running ends within its attempt's deadline (at once, when the
+    reader went through the whole file).
     """
 
     AHEAD_MAX = 32 * MiB
@@ -588,8 +589,9 @@ class RangeReader:
         ahead_from = keep[-1].end if keep else max(end, covered)
         # as much as this read, and enough for every connection to have a piece or two
         want = min(max(dest.nbytes, self._concurrency * MIN_READ_PIECE), self.AHEAD_MAX)
-        if ahead_from - end < want // 2:  # refill in large requests, not a sliver per small read
-            keep += self._submit(ahead_from, min(self._size, end + want))
+        target = min(self._size, end + want)
+        if target - ahead_from >= min(MIN_READ_PIECE, self._size - ahead_from):  # whole pieces, not slivers
+            keep += self._submit(ahead_from, target)
         self._ahead = keep
         for p in pieces:
             data = memoryview(p.data.result())
@@ -602,4 +604,4 @@ class RangeReader:
             p.data.cancel()
         self._ahead = []
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
