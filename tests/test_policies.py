@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from faulty_fs import Faults  # as the other tests: one module, one registered protocol
 
 import tiercheck
-from tests.faulty_fs import Faults
 from tests.multirank_worker import digest
 from tiercheck import Every, KeepBest, KeepEvery, KeepLast, layout
 from tiercheck.retention import KeepAll, best_steps, plan_deletions
