@@ -228,9 +228,10 @@ class Pipeline:
         # Per tier: may unmarked leftovers exist (a crash before this session, a failed step)?
         self._sweep = {t.name: True for t in (local, remote) if t is not None}
         self.newest_durable: dict[str, int] = {}  # per tier, the newest step this session made durable
-        # Retention and Checkpointer.delete take turns deleting steps; `_deleting` holds a
+        # Retention and Checkpointer.delete take turns deleting steps, per tier (a slow tier-2
+        # listing must not hold up tier 1's pruning, hence its writer); `_deleting` holds a
         # step whose deletion has begun, so no catch-up upload starts on it.
-        self._retention_lock = threading.Lock()
+        self._retention_locks = {t.name: threading.Lock() for t in (local, remote) if t is not None}
         self._deleting: set[int] = set()
         # Per tier: the metrics recorded with each committed step (read once per step, and
         # only for policies that rank by a metric).
@@ -887,7 +888,7 @@ class Pipeline:
     def _prune(self, tier: Tier, newest: int | None) -> TierError | None:
         if self._group is not None and not self._group.leads(tier.name):
             return None  # one rank per directory prunes it
-        with self._retention_lock:
+        with self._retention_locks[tier.name]:
             return self._prune_locked(tier, newest)
 
     def _prune_locked(self, tier: Tier, newest: int | None) -> TierError | None:
@@ -965,7 +966,9 @@ class Pipeline:
             StepInFlightError: `step` is still being written or uploaded.
             TierError: a tier failed; the other tiers were still tried.
         """
-        with self._retention_lock:
+        with contextlib.ExitStack() as held:
+            for name in sorted(t.name for t in tiers):  # one order everywhere: no deadlock
+                held.enter_context(self._retention_locks[name])
             with self._lock:
                 if step in self._tracks or self._uploading == step:
                     raise StepInFlightError(
