@@ -48,9 +48,12 @@ logger = logging.getLogger("tiercheck")
 
 MiB = 1 << 20
 MIN_PART = 1 * MiB  # smaller parts cost more in requests than they gain
-# Ranged reads: S3 advises 8-16 MB; 4 MiB keeps a 32 MiB read on 8 connections, and the
-# bytes fetched ahead keep them busy when the reads are small.
+# Ranged reads: S3 advises 8-16 MB per request; each request also pays a round trip and the
+# server's first-byte time, so larger pieces waste less of each connection. A piece is a
+# read's share of the connections, within these bounds (a 32 MiB read on 8 connections:
+# 4 MiB pieces; the bytes fetched ahead of a reader: 8 MiB, or 16 MiB on 2 connections).
 MIN_READ_PIECE = 4 * MiB
+MAX_READ_PIECE = 16 * MiB
 
 
 class Call(Protocol):
@@ -518,20 +521,21 @@ class _Piece:
 class RangeReader:
     """Positional reads of one object, with up to `concurrency` ranged reads in flight.
 
-    A read is split into pieces of at least 4 MiB fetched concurrently and copied into the
-    destination as they arrive. Meanwhile the bytes after it (as many as it asked for, at
-    least 4 MiB per connection, at most 32 MiB) are fetched too, queued behind its own
-    pieces, so that a reader going through the file in order (restore, a zstd stream) finds
-    them there: the connections never sit idle waiting for the slowest piece of a read, and
-    a run of small reads costs one request. A read elsewhere drops what was fetched ahead.
-    Memory: the pieces of one read in flight plus the bytes fetched ahead, at most 64 MiB.
+    A read is split into pieces (its share of the connections, 4 to 16 MiB) fetched
+    concurrently and copied into the destination as they arrive. Meanwhile the bytes after
+    it (as many as it asked for, and at least 16 MiB per connection, at most 64 MiB) are
+    fetched too, queued behind its own pieces, so that a reader going through the file in
+    order (restore, a zstd stream) finds them there: the connections never sit idle waiting
+    for the slowest piece of a read, and a run of small reads costs one request. A read
+    elsewhere drops what was fetched ahead. Memory: the pieces of one read plus the bytes
+    fetched ahead: at most 96 MiB with restore's 32 MiB reads.
 
     One reader thread at a time. `close()` drops what is queued, stops retrying, and joins
     the pool: a fetch still running ends within its attempt's deadline (at once, when the
     reader went through the whole file).
     """
 
-    AHEAD_MAX = 32 * MiB
+    AHEAD_MAX = 64 * MiB
 
     def __init__(self, fetch: Callable[[int, int], bytes], size: int, concurrency: int, call: Call, what: str) -> None:
         self._fetch = fetch
@@ -550,8 +554,7 @@ class RangeReader:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="tiercheck-read")
         total = end - start
-        count = max(1, min(self._concurrency, total // MIN_READ_PIECE))
-        step = -(-total // count)
+        step = max(MIN_READ_PIECE, min(MAX_READ_PIECE, -(-total // self._concurrency)))
         pool = self._pool
         return [
             _Piece(p, min(p + step, end), pool.submit(self._get, p, min(p + step, end)))
@@ -587,8 +590,8 @@ class RangeReader:
             keep.insert(0, use[-1])
         pieces = use + self._submit(covered, end)
         ahead_from = keep[-1].end if keep else max(end, covered)
-        # as much as this read, and enough for every connection to have a piece or two
-        want = min(max(dest.nbytes, self._concurrency * MIN_READ_PIECE), self.AHEAD_MAX)
+        # as much as this read, and enough for a large piece on every connection
+        want = min(max(dest.nbytes, self._concurrency * MAX_READ_PIECE), self.AHEAD_MAX)
         target = min(self._size, end + want)
         if target - ahead_from >= min(MIN_READ_PIECE, self._size - ahead_from):  # whole pieces, not slivers
             keep += self._submit(ahead_from, target)
