@@ -48,9 +48,14 @@ logger = logging.getLogger("tiercheck")
 
 MiB = 1 << 20
 MIN_PART = 1 * MiB  # smaller parts cost more in requests than they gain
-# Ranged reads: S3 advises 8-16 MB; 4 MiB keeps a 32 MiB read on 8 connections, and the
-# bytes fetched ahead keep them busy when the reads are small.
+# Ranged reads: each request pays a round trip and the server's first-byte time, so larger
+# pieces waste less of a connection (S3 advises 8-16 MB); but the reader waits for a whole
+# piece on one connection, so smaller ones keep it moving. A piece is a read's share of the
+# free connections within these bounds. A 256 MiB restore through a 25 MB/s x 20 ms shaped
+# link (tests/servers/shapingproxy.py, 2 runs on 2026-12-01) reached 0.51x the link limit
+# with pieces up to 16 MiB, 0.74-0.78x with pieces up to 4 or 8 MiB.
 MIN_READ_PIECE = 4 * MiB
+MAX_READ_PIECE = 8 * MiB
 
 
 class Call(Protocol):
@@ -518,20 +523,21 @@ class _Piece:
 class RangeReader:
     """Positional reads of one object, with up to `concurrency` ranged reads in flight.
 
-    A read is split into pieces of at least 4 MiB fetched concurrently and copied into the
-    destination as they arrive. Meanwhile the bytes after it (as many as it asked for, at
-    least 4 MiB per connection, at most 32 MiB) are fetched too, queued behind its own
-    pieces, so that a reader going through the file in order (restore, a zstd stream) finds
-    them there: the connections never sit idle waiting for the slowest piece of a read, and
-    a run of small reads costs one request. A read elsewhere drops what was fetched ahead.
-    Memory: the pieces of one read in flight plus the bytes fetched ahead, at most 64 MiB.
+    A read is split into pieces (its share of the connections, 4 to 8 MiB) fetched
+    concurrently and copied into the destination as they arrive. Meanwhile the bytes after
+    it (as many as it asked for, and at least 8 MiB per connection, at most 64 MiB) are
+    fetched too, queued behind its own pieces, so that a reader going through the file in
+    order (restore, a zstd stream) finds them there: the connections never sit idle waiting
+    for the slowest piece of a read, and a run of small reads costs one request. A read
+    elsewhere drops what was fetched ahead. Memory: the pieces of one read plus the bytes
+    fetched ahead: at most 96 MiB with restore's 32 MiB reads.
 
     One reader thread at a time. `close()` drops what is queued, stops retrying, and joins
     the pool: a fetch still running ends within its attempt's deadline (at once, when the
     reader went through the whole file).
     """
 
-    AHEAD_MAX = 32 * MiB
+    AHEAD_MAX = 64 * MiB
 
     def __init__(self, fetch: Callable[[int, int], bytes], size: int, concurrency: int, call: Call, what: str) -> None:
         self._fetch = fetch
@@ -543,15 +549,16 @@ class RangeReader:
         self._ahead: list[_Piece] = []  # fetched ahead, consecutive, in file order
         self._closed = threading.Event()
 
-    def _submit(self, start: int, end: int) -> list[_Piece]:
-        """Pieces covering [start, end), queued on the pool."""
+    def _submit(self, start: int, end: int, slots: int) -> list[_Piece]:
+        """Pieces covering [start, end), queued on the pool: its share of `slots` connections
+        each (so that with the pieces already in flight every connection has about as much
+        left to move, and none ends long after the others), within the piece bounds."""
         if end <= start:
             return []
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="tiercheck-read")
         total = end - start
-        count = max(1, min(self._concurrency, total // MIN_READ_PIECE))
-        step = -(-total // count)
+        step = max(MIN_READ_PIECE, min(MAX_READ_PIECE, -(-total // max(1, slots))))
         pool = self._pool
         return [
             _Piece(p, min(p + step, end), pool.submit(self._get, p, min(p + step, end)))
@@ -585,13 +592,14 @@ class RangeReader:
         covered = use[-1].end if use else offset
         if use and use[-1].end > end:  # its tail is the next read's start
             keep.insert(0, use[-1])
-        pieces = use + self._submit(covered, end)
+        pieces = use + self._submit(covered, end, self._concurrency)
         ahead_from = keep[-1].end if keep else max(end, covered)
-        # as much as this read, and enough for every connection to have a piece or two
-        want = min(max(dest.nbytes, self._concurrency * MIN_READ_PIECE), self.AHEAD_MAX)
+        # as much as this read, and enough for a large piece on every connection
+        want = min(max(dest.nbytes, self._concurrency * MAX_READ_PIECE), self.AHEAD_MAX)
         target = min(self._size, end + want)
         if target - ahead_from >= min(MIN_READ_PIECE, self._size - ahead_from):  # whole pieces, not slivers
-            keep += self._submit(ahead_from, target)
+            busy = sum(not p.data.done() for p in pieces + keep)
+            keep += self._submit(ahead_from, target, self._concurrency - busy)
         self._ahead = keep
         for p in pieces:
             data = memoryview(p.data.result())
