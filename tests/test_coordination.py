@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import tiercheck
-from tiercheck.coordination import Coordinator, PartReport, _ranges
+from tiercheck.coordination import Coordinator, PartReport
+from tiercheck.store import ranges as _ranges
 from tiercheck.errors import CoordinationError
 
 

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, cli_goodput
+from .catalog import present_manifests, read_marker, verify_files
 from .checkpointer import _with_timeouts
 from .errors import CheckpointCorruptedError, TiercheckError
 from .manifest import Manifest, Marker
 from .progress import part_of, terminal_bar
-from .restore import present_manifests, read_marker, verify_files
 from .retry import RetryPolicy
 from .tiers.base import Tier
 from .tiers.local import LocalTier

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .agreement import restore_collective
+from .catalog import read_marker
 from .checksum import ALGORITHMS
 from .coordination import Group, SaveRequests, from_process_group, join_group
 from .errors import (
@@ -34,7 +36,7 @@ from .handle import DrainReport, SaveHandle, WaitTimeoutError
 from .pipeline import Pipeline, StagedSave
 from .planner import ShardPlan, plan_shard
 from .progress import ProgressCallback
-from .restore import read_marker, restore_collective, restore_from
+from .restore import restore_from
 from .retarget import Key, balance
 from .retention import RetentionPolicy, as_policy
 from .retry import RetryPolicy

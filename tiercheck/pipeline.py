@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import layout
+from .catalog import present_manifests, read_manifest_with_bytes, read_marker, verify_files
 from .checksum import checksum_function
 from .coordination import CoordinationError, Group, PartReport
 from .errors import (
@@ -65,7 +66,6 @@ from .manifest import (
 )
 from .planner import ShardPlan
 from .priority import lower_current_thread
-from .restore import present_manifests, read_manifest_with_bytes, read_marker, verify_files
 from .retarget import Key, Retargeted, balance, region_chunks, replicated_sizes, retarget
 from .retention import KeepAll, RetentionPolicy, plan_catch_up, plan_deletions, superseded
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into

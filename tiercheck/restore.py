@@ -9,35 +9,37 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Union, cast
+from typing import Any, Union
 
 import numpy as np
 import torch
 
 from . import layout
-from .checksum import ALGORITHMS, checksum_function, checksum_stream
-from .coordination import Coordinator
+from .catalog import (
+    READ_CHUNK,
+    ZstdFile,
+    first_present_manifest,
+    list_committed,
+    read_manifest,
+    read_marker,
+)
+from .catalog import verify_files as verify_files  # re-exported: read through `catalog`
+from .checksum import checksum_stream
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
 from .events import report_missing_keys
 from .manifest import (
-    MAX_MANIFEST_BYTES,
     Entry,
     Manifest,
-    Marker,
     ShardFile,
     decode_key,
-    decode_manifest,
-    decode_marker,
 )
 from .progress import ProgressCallback
 from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
-
-MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
 
 Producer = Callable[[], object]
 _Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
@@ -388,148 +390,6 @@ def _plain(node: JsonNode) -> object:
 # ------------------------------------------------------------------- reading a step
 
 
-class ZstdFile(ReadableFile):
-    """A zstd-compressed shard (one or more frames) read front to back (restore reads in
-    offset order); a read behind the current position starts decompressing again from the
-    beginning.
-
-    Memory stays bounded whatever the frames claim: bytes are decompressed straight into the
-    caller's buffer (or a fixed scratch buffer when skipping ahead), never more than asked
-    for, and never past the declared length. `check_end` then reads at most one byte past
-    it: a shard that decompresses to more or fewer bytes than declared is corrupted.
-    """
-
-    READ_SIZE = 8 << 20  # compressed bytes per read from the tier (one ranged GET on tier 2)
-    SKIP_SIZE = 1 << 20  # decompressed bytes per step when skipping ahead
-
-    def __init__(self, raw: ReadableFile, length: int, path: str) -> None:
-        self.size = length
-        self._raw = raw
-        self._path = path
-        self._scratch: memoryview | None = None
-        self._rewind()
-
-    def _rewind(self) -> None:
-        import zstandard
-
-        self._raw_pos = 0
-        self._pos = 0
-        # read_across_frames: the format allows several frames, decompressing back to back.
-        self._reader: Any = zstandard.ZstdDecompressor().stream_reader(
-            cast(Any, self), read_size=self.READ_SIZE, read_across_frames=True, closefd=False
-        )
-
-    def read(self, n: int) -> bytearray:
-        """The next compressed bytes, for the decompressor (empty at the end of the file)."""
-        n = min(n, self._raw.size - self._raw_pos)
-        chunk = bytearray(n)
-        if n:
-            self._raw.read_into(self._raw_pos, memoryview(chunk))
-            self._raw_pos += n
-        return chunk
-
-    def _fill(self, dest: memoryview) -> int:
-        """Decompress into `dest`; fewer bytes only where the data ends."""
-        filled = 0
-        while filled < len(dest):
-            try:
-                n = self._reader.readinto(dest[filled:])
-            except Exception as exc:  # zstandard.ZstdError: not a valid frame
-                raise CheckpointCorruptedError(f"{self._path}: bad zstd data: {exc}") from None
-            if not n:
-                break
-            filled += n
-        self._pos += filled
-        return filled
-
-    def _skip_to(self, offset: int) -> None:
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(min(self.SKIP_SIZE, max(self.size, 1))))
-        while self._pos < offset:
-            if not self._fill(self._scratch[: min(len(self._scratch), offset - self._pos)]):
-                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}, manifest says {self.size}")
-
-    def read_into(self, offset: int, dest: memoryview) -> None:
-        if offset + len(dest) > self.size:
-            raise EOFError(f"{self._path}: bytes {offset}..{offset + len(dest)} lie past its {self.size} bytes")
-        if offset < self._pos:
-            self._rewind()
-        self._skip_to(offset)
-        if self._fill(dest) < len(dest):
-            raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}, manifest says {self.size}")
-
-    def check_end(self) -> None:
-        """Raise CheckpointCorruptedError unless the data decompresses to exactly `size` bytes."""
-        try:
-            self._skip_to(self.size)
-        except EOFError as exc:
-            raise CheckpointCorruptedError(str(exc)) from None
-        if self._fill(memoryview(bytearray(1))):
-            raise CheckpointCorruptedError(
-                f"{self._path}: decompresses to more than the {self.size} bytes its manifest declares"
-            )
-
-    def close(self) -> None:
-        self._reader.close()
-        self._raw.close()
-
-
-class MissingManifestError(CheckpointCorruptedError):
-    """A committed step's marker lists a manifest this tier does not hold (on a node-local
-    directory: another node's rank)."""
-
-
-def read_marker(tier: Tier, step: int) -> Marker:
-    """Read and check the commit marker of `step`."""
-    where = tier.path_of(step, layout.COMMIT_NAME)
-    try:
-        marker = decode_marker(tier.read_bytes(step, layout.COMMIT_NAME, MAX_MARKER_BYTES), where)
-    except FileNotFoundError:
-        raise NoCheckpointError(f"step {step} is not committed on tier {tier.name!r} ({where})") from None
-    if marker.step != step:
-        raise CheckpointCorruptedError(f"{where}: marker is for step {marker.step}, directory for step {step}")
-    if marker.checksum_algorithm not in ALGORITHMS:
-        raise CheckpointCorruptedError(f"{where}: unknown checksum algorithm {marker.checksum_algorithm!r}")
-    return marker
-
-
-def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> Manifest:
-    """Read and verify one rank's manifest of `step` against the commit marker."""
-    return read_manifest_with_bytes(tier, step, rank, marker)[1]
-
-
-def read_manifest_with_bytes(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> tuple[bytes, Manifest]:
-    """`read_manifest`, with the bytes it decoded (those the marker's checksum covers)."""
-    if marker is None:
-        marker = read_marker(tier, step)
-    if not 0 <= rank < marker.world_size:
-        raise NoCheckpointError(f"step {step} on tier {tier.name!r} has {marker.world_size} ranks, no rank {rank}")
-    ref = marker.manifests[rank]
-    mwhere = tier.path_of(step, ref.file)
-    if ref.length > MAX_MANIFEST_BYTES:
-        raise CheckpointCorruptedError(f"{mwhere}: manifest claims {ref.length} bytes")
-    try:
-        data = tier.read_bytes(step, ref.file, ref.length)
-    except FileNotFoundError:
-        raise MissingManifestError(
-            f"{mwhere}: manifest is missing from a committed step (a node-local directory holds only "
-            "the parts of the ranks that share it: read it with one of their ranks)"
-        ) from None
-    checksum = checksum_function(marker.checksum_algorithm)
-    if len(data) != ref.length or checksum(data) != ref.checksum:
-        raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
-    manifest = decode_manifest(data, mwhere)
-    if (manifest.step, manifest.rank, manifest.world_size) != (step, rank, marker.world_size):
-        raise CheckpointCorruptedError(
-            f"{mwhere}: manifest names step/rank/world {manifest.step}/{manifest.rank}/{manifest.world_size}"
-        )
-    if manifest.checksum_algorithm != marker.checksum_algorithm:
-        raise CheckpointCorruptedError(
-            f"{mwhere}: checksum algorithm {manifest.checksum_algorithm!r}, marker says {marker.checksum_algorithm!r}"
-        )
-    return data, manifest
-
-
 def read_step(
     tier: Tier,
     step: int,
@@ -568,7 +428,7 @@ def prepare_step(
     marker = read_marker(tier, step)
     resized = world_size is not None and world_size != marker.world_size
     # Resized: any rank's view holds the replicated keys; take the first one this tier has.
-    manifest = _first_present_manifest(tier, step, marker) if resized else read_manifest(tier, step, rank, marker)
+    manifest = first_present_manifest(tier, step, marker) if resized else read_manifest(tier, step, rank, marker)
     tree = manifest.tree
     if world_size is not None and resized:
         tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)
@@ -645,25 +505,6 @@ def prepare_step(
     return produce_and_report
 
 
-def present_manifests(tier: Tier, step: int, marker: Marker, ranks: Iterable[int] | None = None) -> Iterator[Manifest]:
-    """The manifests of `ranks` (default: every rank of the step) that this tier holds, each
-    verified against the marker, lowest rank first; a node-local directory holds only the
-    parts of the ranks that share it."""
-    for r in range(marker.world_size) if ranks is None else ranks:
-        try:
-            yield read_manifest(tier, step, r, marker)
-        except MissingManifestError:
-            continue
-
-
-def _first_present_manifest(tier: Tier, step: int, marker: Marker) -> Manifest:
-    """The lowest rank's manifest this tier holds: any rank's view holds the replicated keys."""
-    manifest = next(present_manifests(tier, step, marker), None)
-    if manifest is None:
-        raise CheckpointCorruptedError(f"{tier.path_of(step)}: no manifest of any rank is present")
-    return manifest
-
-
 def _replicated_view(
     tier: Tier, step: int, manifest: Manifest, saved_world: int, world_size: int, template: object
 ) -> JsonNode:
@@ -686,7 +527,6 @@ def _replicated_view(
     return {"t": "dict", "k": [k for k, _ in pairs], "v": [v for _, v in pairs]}
 
 
-READ_CHUNK = 32 << 20
 
 
 def _read_verified(
@@ -730,93 +570,11 @@ def _read_verified(
                 )
 
 
-def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCallback | None = None) -> None:
-    """Check every entry's checksum by streaming each shard file through one reused buffer
-    (no allocation per tensor): what the uploader runs before copying a step to tier 2, so a
-    damaged tier-1 copy is never spread. `progress(done, total)` counts the shard bytes read.
-
-    Raises:
-        CheckpointCorruptedError: a shard is missing, short, or an entry's bytes differ.
-    """
-    buf = bytearray(min(READ_CHUNK, max((sf.length for sf in manifest.files), default=0)))
-    view = memoryview(buf)
-    total = sum(sf.length for sf in manifest.files)
-    done = 0
-    for sf in manifest.files:
-        path = tier.path_of(step, sf.name)
-        regions: dict[tuple[int, int], str] = {}
-        for e in manifest.entries:
-            if e.file == sf.name:
-                regions[(e.offset, e.length)] = e.checksum
-        ordered = sorted(regions.items())
-        hashers = [checksum_stream(manifest.checksum_algorithm) for _ in ordered]
-        try:
-            raw = tier.open_file(step, sf.name)
-        except FileNotFoundError:
-            raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
-        f: ReadableFile = ZstdFile(raw, sf.length, path) if sf.codec == "zstd" else raw
-        try:
-            if raw.size != sf.size_on_tier:
-                raise CheckpointCorruptedError(
-                    f"{path}: shard file is {raw.size} bytes, manifest says {sf.size_on_tier}"
-                )
-            first = 0  # regions before this one are complete
-            for pos in range(0, sf.length, READ_CHUNK):
-                n = min(READ_CHUNK, sf.length - pos)
-                try:
-                    f.read_into(pos, view[:n])
-                except EOFError as exc:
-                    raise CheckpointCorruptedError(str(exc)) from None
-                for i in range(first, len(ordered)):
-                    (off, length), _ = ordered[i]
-                    if off >= pos + n:
-                        break
-                    lo, hi = max(off, pos), min(off + length, pos + n)
-                    if hi > lo:
-                        hashers[i].update(view[lo - pos : hi - pos])
-                    if off + length <= pos + n and i == first:
-                        first += 1
-                if progress is not None:
-                    done += n
-                    progress(done, total)
-            if isinstance(f, ZstdFile):
-                f.check_end()
-        finally:
-            f.close()
-        for ((off, length), expected), h in zip(ordered, hashers, strict=True):
-            if h.hexdigest() != expected:
-                raise CheckpointCorruptedError(f"{path}: checksum mismatch in bytes {off}..{off + length}")
-
-
 @dataclass(frozen=True, slots=True)
 class Restored:
     step: int
     value: object
     committed: tuple[int, ...]  # every committed step seen on any tier
-
-
-def list_committed(tiers: Sequence[Tier]) -> dict[int, list[Tier]]:
-    """Committed steps and the tiers holding each, fastest tier first.
-
-    A tier that cannot be listed (object store down) is skipped with a warning as long as
-    another tier answers; if none does, the first error is raised.
-    """
-    holders: dict[int, list[Tier]] = {}
-    failures: list[BaseException] = []
-    for tier in tiers:
-        try:
-            steps = tier.committed_steps()
-        except Exception as exc:
-            failures.append(exc)
-            warnings.warn(
-                f"tiercheck: cannot list tier {tier.name!r} ({tier.location}): {exc!r}", RuntimeWarning, stacklevel=3
-            )
-            continue
-        for s in steps:
-            holders.setdefault(s, []).append(tier)
-    if failures and len(failures) == len(tiers):
-        raise failures[0]
-    return holders
 
 
 def restore_from(
@@ -867,86 +625,3 @@ def restore_from(
     if step is not None:
         raise error(f"step {step} cannot be restored: {detail}")
     raise error(f"no committed step could be restored ({len(candidates)} tried, newest first): {detail}")
-
-
-def restore_collective(
-    coord: Coordinator,
-    local: Tier | None,
-    remote: Tier | None,
-    template: object,
-    step: int | None,
-    rank: int,
-    world_size: int,
-    strict: bool = True,
-    progress: ProgressCallback | None = None,
-) -> Restored | None:
-    """`restore_from` for one rank of a job: every rank calls it, and all restore the same
-    step, the newest that every rank can read (or exactly `step`).
-
-    Each rank reads its part from its tier 1 when its node has the step there, else from
-    tier 2; a rank whose copy fails verification tries the other tier, and if some rank
-    cannot read a step at all, every rank moves on to the next older candidate.
-    """
-    mine: list[int] = []
-    if local is not None:
-        try:
-            mine = local.committed_steps()
-        except OSError as exc:
-            warnings.warn(f"tiercheck: cannot list tier {local.name!r}: {exc!r}", RuntimeWarning, stacklevel=3)
-
-    def shared() -> list[int]:  # rank 0 only
-        if remote is None:
-            return []
-        try:
-            return remote.committed_steps()
-        except Exception as exc:  # tier 2 down: what every rank's tier 1 holds may still do
-            warnings.warn(f"tiercheck: cannot list tier {remote.name!r}: {exc!r}", RuntimeWarning, stacklevel=4)
-            return []
-
-    candidates = coord.agree_candidates(mine, shared, step)
-    if not candidates:
-        coord.finish_restore(0)
-        if step is not None:
-            raise NoCheckpointError(f"step {step} is not committed on every rank's tiers (rank {rank}: {mine})")
-        return None
-    failures: list[str] = []
-    tried = 0  # outcome rounds run: their keys are deleted at the end
-    try:
-        for i, s in enumerate(candidates):
-            tried = i + 1
-            tiers = [t for t in (local, remote) if t is not None and (t is not local or s in mine)]
-            produce: Producer | None = None
-            why = ""
-            for tier in tiers:
-                try:
-                    produce = prepare_step(tier, s, rank, template, strict, world_size, progress)
-                    break
-                except StateMismatchError as exc:  # the template is wrong: no older step helps
-                    coord.agree_outcome(i, False, str(exc), fatal=True)
-                    raise
-                except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
-                    why = f"step {s} on tier {tier.name!r}: {exc}"
-                    if tier is not tiers[-1]:
-                        msg = f"tiercheck: cannot restore {why}; trying the next tier"
-                        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-            if not tiers:
-                why = f"step {s} is on no tier of rank {rank}"
-            everyone, first, stop = coord.agree_outcome(i, produce is not None, why)
-            if everyone:
-                assert produce is not None
-                return Restored(s, produce(), tuple(sorted(set(mine) | set(candidates))))
-            if stop:
-                raise StateMismatchError(f"restore of step {s} stopped: {first}")
-            failures.append(first)
-            if step is None:
-                warnings.warn(
-                    f"tiercheck: cannot restore step {s} on every rank ({first}); trying an older step",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-    finally:
-        coord.finish_restore(tried)
-    detail = "; ".join(failures)
-    if step is not None:
-        raise CheckpointCorruptedError(f"step {step} cannot be restored on every rank: {detail}")
-    raise CheckpointCorruptedError(f"no step could be restored on every rank ({len(candidates)} tried): {detail}")

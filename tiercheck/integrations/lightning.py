@@ -54,10 +54,11 @@ from typing import Any
 import torch
 
 from ..api import read_tiers
+from ..catalog import list_committed
 from ..checkpointer import Checkpointer
 from ..errors import InvalidArgumentError, NoCheckpointError, StepConflictError, StepInFlightError, TiercheckError
 from ..handle import SaveHandle
-from ..restore import list_committed, restore_from
+from ..restore import restore_from
 from ..retention import RetentionPolicy
 from ..tiers.local import fsync_dir
 

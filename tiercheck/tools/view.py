@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import layout
+from ..catalog import ZstdFile, read_manifest, read_marker
 from ..checksum import checksum_stream
 from ..errors import CheckpointCorruptedError, NoCheckpointError
 from ..manifest import Entry, Manifest, ShardFile, decode_key
 from ..progress import ProgressCallback
-from ..restore import ZstdFile, read_manifest, read_marker
 from ..state import JsonNode, decode_float
 from ..tiers.base import ReadableFile, Tier
 from ..tiers.local import LocalTier

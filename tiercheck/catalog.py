@@ -1,0 +1,278 @@
+"""The catalog of a tier: which steps are committed, their markers and manifests, each
+checked against its checksum, and `verify_files`, which checks every byte of a step's shards.
+
+Restore, the uploader (a damaged tier-1 copy is never spread) and the command line all
+read steps through here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, cast
+
+from . import layout
+from .checksum import ALGORITHMS, checksum_function, checksum_stream
+from .errors import CheckpointCorruptedError, NoCheckpointError
+from .manifest import MAX_MANIFEST_BYTES, Manifest, Marker, decode_manifest, decode_marker
+from .progress import ProgressCallback
+from .tiers.base import ReadableFile, Tier
+
+__all__ = [
+    "MAX_MARKER_BYTES",
+    "READ_CHUNK",
+    "MissingManifestError",
+    "ZstdFile",
+    "list_committed",
+    "present_manifests",
+    "read_manifest",
+    "read_manifest_with_bytes",
+    "read_marker",
+    "verify_files",
+]
+
+MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
+READ_CHUNK = 32 << 20
+
+
+class ZstdFile(ReadableFile):
+    """A zstd-compressed shard (one or more frames) read front to back (restore reads in
+    offset order); a read behind the current position starts decompressing again from the
+    beginning.
+
+    Memory stays bounded whatever the frames claim: bytes are decompressed straight into the
+    caller's buffer (or a fixed scratch buffer when skipping ahead), never more than asked
+    for, and never past the declared length. `check_end` then reads at most one byte past
+    it: a shard that decompresses to more or fewer bytes than declared is corrupted.
+    """
+
+    READ_SIZE = 8 << 20  # compressed bytes per read from the tier (one ranged GET on tier 2)
+    SKIP_SIZE = 1 << 20  # decompressed bytes per step when skipping ahead
+
+    def __init__(self, raw: ReadableFile, length: int, path: str) -> None:
+        self.size = length
+        self._raw = raw
+        self._path = path
+        self._scratch: memoryview | None = None
+        self._rewind()
+
+    def _rewind(self) -> None:
+        import zstandard
+
+        self._raw_pos = 0
+        self._pos = 0
+        # read_across_frames: the format allows several frames, decompressing back to back.
+        self._reader: Any = zstandard.ZstdDecompressor().stream_reader(
+            cast(Any, self), read_size=self.READ_SIZE, read_across_frames=True, closefd=False
+        )
+
+    def read(self, n: int) -> bytearray:
+        """The next compressed bytes, for the decompressor (empty at the end of the file)."""
+        n = min(n, self._raw.size - self._raw_pos)
+        chunk = bytearray(n)
+        if n:
+            self._raw.read_into(self._raw_pos, memoryview(chunk))
+            self._raw_pos += n
+        return chunk
+
+    def _fill(self, dest: memoryview) -> int:
+        """Decompress into `dest`; fewer bytes only where the data ends."""
+        filled = 0
+        while filled < len(dest):
+            try:
+                n = self._reader.readinto(dest[filled:])
+            except Exception as exc:  # zstandard.ZstdError: not a valid frame
+                raise CheckpointCorruptedError(f"{self._path}: bad zstd data: {exc}") from None
+            if not n:
+                break
+            filled += n
+        self._pos += filled
+        return filled
+
+    def _skip_to(self, offset: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(min(self.SKIP_SIZE, max(self.size, 1))))
+        while self._pos < offset:
+            if not self._fill(self._scratch[: min(len(self._scratch), offset - self._pos)]):
+                raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}, manifest says {self.size}")
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        if offset + len(dest) > self.size:
+            raise EOFError(f"{self._path}: bytes {offset}..{offset + len(dest)} lie past its {self.size} bytes")
+        if offset < self._pos:
+            self._rewind()
+        self._skip_to(offset)
+        if self._fill(dest) < len(dest):
+            raise EOFError(f"{self._path}: decompressed data ends at byte {self._pos}, manifest says {self.size}")
+
+    def check_end(self) -> None:
+        """Raise CheckpointCorruptedError unless the data decompresses to exactly `size` bytes."""
+        try:
+            self._skip_to(self.size)
+        except EOFError as exc:
+            raise CheckpointCorruptedError(str(exc)) from None
+        if self._fill(memoryview(bytearray(1))):
+            raise CheckpointCorruptedError(
+                f"{self._path}: decompresses to more than the {self.size} bytes its manifest declares"
+            )
+
+    def close(self) -> None:
+        self._reader.close()
+        self._raw.close()
+
+
+class MissingManifestError(CheckpointCorruptedError):
+    """A committed step's marker lists a manifest this tier does not hold (on a node-local
+    directory: another node's rank)."""
+
+
+def read_marker(tier: Tier, step: int) -> Marker:
+    """Read and check the commit marker of `step`."""
+    where = tier.path_of(step, layout.COMMIT_NAME)
+    try:
+        marker = decode_marker(tier.read_bytes(step, layout.COMMIT_NAME, MAX_MARKER_BYTES), where)
+    except FileNotFoundError:
+        raise NoCheckpointError(f"step {step} is not committed on tier {tier.name!r} ({where})") from None
+    if marker.step != step:
+        raise CheckpointCorruptedError(f"{where}: marker is for step {marker.step}, directory for step {step}")
+    if marker.checksum_algorithm not in ALGORITHMS:
+        raise CheckpointCorruptedError(f"{where}: unknown checksum algorithm {marker.checksum_algorithm!r}")
+    return marker
+
+
+def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> Manifest:
+    """Read and verify one rank's manifest of `step` against the commit marker."""
+    return read_manifest_with_bytes(tier, step, rank, marker)[1]
+
+
+def read_manifest_with_bytes(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> tuple[bytes, Manifest]:
+    """`read_manifest`, with the bytes it decoded (those the marker's checksum covers)."""
+    if marker is None:
+        marker = read_marker(tier, step)
+    if not 0 <= rank < marker.world_size:
+        raise NoCheckpointError(f"step {step} on tier {tier.name!r} has {marker.world_size} ranks, no rank {rank}")
+    ref = marker.manifests[rank]
+    mwhere = tier.path_of(step, ref.file)
+    if ref.length > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptedError(f"{mwhere}: manifest claims {ref.length} bytes")
+    try:
+        data = tier.read_bytes(step, ref.file, ref.length)
+    except FileNotFoundError:
+        raise MissingManifestError(
+            f"{mwhere}: manifest is missing from a committed step (a node-local directory holds only "
+            "the parts of the ranks that share it: read it with one of their ranks)"
+        ) from None
+    checksum = checksum_function(marker.checksum_algorithm)
+    if len(data) != ref.length or checksum(data) != ref.checksum:
+        raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
+    manifest = decode_manifest(data, mwhere)
+    if (manifest.step, manifest.rank, manifest.world_size) != (step, rank, marker.world_size):
+        raise CheckpointCorruptedError(
+            f"{mwhere}: manifest names step/rank/world {manifest.step}/{manifest.rank}/{manifest.world_size}"
+        )
+    if manifest.checksum_algorithm != marker.checksum_algorithm:
+        raise CheckpointCorruptedError(
+            f"{mwhere}: checksum algorithm {manifest.checksum_algorithm!r}, marker says {marker.checksum_algorithm!r}"
+        )
+    return data, manifest
+
+
+def present_manifests(tier: Tier, step: int, marker: Marker, ranks: Iterable[int] | None = None) -> Iterator[Manifest]:
+    """The manifests of `ranks` (default: every rank of the step) that this tier holds, each
+    verified against the marker, lowest rank first; a node-local directory holds only the
+    parts of the ranks that share it."""
+    for r in range(marker.world_size) if ranks is None else ranks:
+        try:
+            yield read_manifest(tier, step, r, marker)
+        except MissingManifestError:
+            continue
+
+
+def first_present_manifest(tier: Tier, step: int, marker: Marker) -> Manifest:
+    """The lowest rank's manifest this tier holds: any rank's view holds the replicated keys."""
+    manifest = next(present_manifests(tier, step, marker), None)
+    if manifest is None:
+        raise CheckpointCorruptedError(f"{tier.path_of(step)}: no manifest of any rank is present")
+    return manifest
+
+
+def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCallback | None = None) -> None:
+    """Check every entry's checksum by streaming each shard file through one reused buffer
+    (no allocation per tensor): what the uploader runs before copying a step to tier 2, so a
+    damaged tier-1 copy is never spread. `progress(done, total)` counts the shard bytes read.
+
+    Raises:
+        CheckpointCorruptedError: a shard is missing, short, or an entry's bytes differ.
+    """
+    buf = bytearray(min(READ_CHUNK, max((sf.length for sf in manifest.files), default=0)))
+    view = memoryview(buf)
+    total = sum(sf.length for sf in manifest.files)
+    done = 0
+    for sf in manifest.files:
+        path = tier.path_of(step, sf.name)
+        regions: dict[tuple[int, int], str] = {}
+        for e in manifest.entries:
+            if e.file == sf.name:
+                regions[(e.offset, e.length)] = e.checksum
+        ordered = sorted(regions.items())
+        hashers = [checksum_stream(manifest.checksum_algorithm) for _ in ordered]
+        try:
+            raw = tier.open_file(step, sf.name)
+        except FileNotFoundError:
+            raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
+        f: ReadableFile = ZstdFile(raw, sf.length, path) if sf.codec == "zstd" else raw
+        try:
+            if raw.size != sf.size_on_tier:
+                raise CheckpointCorruptedError(
+                    f"{path}: shard file is {raw.size} bytes, manifest says {sf.size_on_tier}"
+                )
+            first = 0  # regions before this one are complete
+            for pos in range(0, sf.length, READ_CHUNK):
+                n = min(READ_CHUNK, sf.length - pos)
+                try:
+                    f.read_into(pos, view[:n])
+                except EOFError as exc:
+                    raise CheckpointCorruptedError(str(exc)) from None
+                for i in range(first, len(ordered)):
+                    (off, length), _ = ordered[i]
+                    if off >= pos + n:
+                        break
+                    lo, hi = max(off, pos), min(off + length, pos + n)
+                    if hi > lo:
+                        hashers[i].update(view[lo - pos : hi - pos])
+                    if off + length <= pos + n and i == first:
+                        first += 1
+                if progress is not None:
+                    done += n
+                    progress(done, total)
+            if isinstance(f, ZstdFile):
+                f.check_end()
+        finally:
+            f.close()
+        for ((off, length), expected), h in zip(ordered, hashers, strict=True):
+            if h.hexdigest() != expected:
+                raise CheckpointCorruptedError(f"{path}: checksum mismatch in bytes {off}..{off + length}")
+
+
+def list_committed(tiers: Sequence[Tier]) -> dict[int, list[Tier]]:
+    """Committed steps and the tiers holding each, fastest tier first.
+
+    A tier that cannot be listed (object store down) is skipped with a warning as long as
+    another tier answers; if none does, the first error is raised.
+    """
+    holders: dict[int, list[Tier]] = {}
+    failures: list[BaseException] = []
+    for tier in tiers:
+        try:
+            steps = tier.committed_steps()
+        except Exception as exc:
+            failures.append(exc)
+            warnings.warn(
+                f"tiercheck: cannot list tier {tier.name!r} ({tier.location}): {exc!r}", RuntimeWarning, stacklevel=3
+            )
+            continue
+        for s in steps:
+            holders.setdefault(s, []).append(tier)
+    if failures and len(failures) == len(tiers):
+        raise failures[0]
+    return holders
