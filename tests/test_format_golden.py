@@ -48,6 +48,7 @@ from tiercheck.manifest import (
     encode_manifest,
     encode_marker,
 )
+from tiercheck.placement import JobLayout, place_state
 from tiercheck.planner import plan_shard
 
 HERE = Path(__file__).resolve().parent
@@ -485,21 +486,15 @@ def _writer_parts(
     states: list[dict[Any, Any]], replicated: tuple[Any, ...], step: int
 ) -> tuple[list[bytes], bytes, list[Manifest]]:
     """Each rank's manifest bytes, the commit marker and the manifests, as the writer builds
-    them, without a process group: `Checkpointer._flatten` on a stand-in holding only the
-    attributes it reads (replica nodes, owners, the `replicated` list), then the manifest
-    and marker as `pipeline._write_staged` and `pipeline._job_marker` build them."""
+    them, without a process group: `placement.place_state` (replica nodes, owners, the
+    `replicated` list), then the manifest and marker as the writer builds them."""
     world = len(states)
     checksum = checksum_function("crc32c")
     encoded: list[bytes] = []
     manifests: list[Manifest] = []
     for rank, state in enumerate(states):
-        ck = object.__new__(tiercheck.Checkpointer)
-        ck.rank, ck.world_size = rank, world
-        ck._replicated = frozenset(replicated)
-        ck._replicated_writer = "balance"
-        ck._owners = None
-        ck._group, ck._local, ck._remote = None, None, None
-        flat, keys, _ = ck._flatten(state)
+        placed = place_state(state, rank, frozenset(replicated), JobLayout(world), "balance")
+        flat, keys = placed.flat, placed.replicated
         plan = plan_shard(flat.leaves)
         sums = []
         for leaf, src in zip(flat.leaves, flat.sources, strict=True):

@@ -28,9 +28,9 @@ from typing import Any
 
 from . import __version__, cli_goodput
 from .catalog import present_manifests, read_marker, verify_files
-from .checkpointer import _with_timeouts
 from .errors import CheckpointCorruptedError, TiercheckError
 from .manifest import Manifest, Marker
+from .options import with_timeouts as _with_timeouts
 from .progress import part_of, terminal_bar
 from .retry import RetryPolicy
 from .tiers.base import Tier

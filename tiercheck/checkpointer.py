@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import signal
 import threading
 import time
-import types
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
@@ -16,10 +13,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .agreement import restore_collective
+from .agreement import SaveRequests, restore_collective
 from .catalog import read_marker
-from .checksum import ALGORITHMS
-from .coordination import Group, SaveRequests, from_process_group, join_group
+from .coordination import Group, join_group
 from .errors import (
     CheckpointCorruptedError,
     ClosedError,
@@ -33,25 +29,27 @@ from .errors import (
 )
 from .events import logger
 from .handle import DrainReport, SaveHandle, WaitTimeoutError
+from .options import Options, with_timeouts
 from .pipeline import Pipeline, StagedSave
+from .placement import JobLayout, Placed, Placement, key_sizes, place, replicated_keys, split_state
 from .planner import ShardPlan, plan_shard
 from .progress import ProgressCallback
 from .restore import restore_from
-from .retarget import Key, balance
-from .retention import RetentionPolicy, as_policy
+from .retention import RetentionPolicy
 from .retry import RetryPolicy
 from .runlog import DEFAULT_INTERVAL, RunLog
 from .schedule import SavePolicy
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
 from .state import FlatState, flatten_state, metric_values
+from .steporder import Proceed, claim
 from .tiers.base import Tier
 from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
+from .trigger import SaveTrigger, SigtermState, sigterm_handler
 
 __all__ = ["Checkpointer"]
 
 T = TypeVar("T")
-_DEFAULT_GRACE_S = 30.0  # drain time after a preemption save on a rank without a SIGTERM handler
 
 
 class Checkpointer:
@@ -197,43 +195,8 @@ class Checkpointer:
         run_log_interval: float | None = DEFAULT_INTERVAL,
         interval: SavePolicy | None = None,
     ) -> None:
-        if local is None and remote is None:
-            raise InvalidArgumentError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
-        if checksum not in ALGORITHMS:
-            raise InvalidArgumentError(f"checksum must be one of {ALGORITHMS}, got {checksum!r}")
-        rank, world_size, store = _job_place(rank, world_size, store)
-        if not (isinstance(coordination_timeout, (int, float)) and coordination_timeout > 0):
-            raise InvalidArgumentError(f"coordination_timeout must be a positive number, got {coordination_timeout!r}")
-        if not (isinstance(remote_timeout, (int, float)) and remote_timeout > 0):
-            raise InvalidArgumentError(f"remote_timeout must be a positive number, got {remote_timeout!r}")
-        if run_log_interval is not None and not (
-            type(run_log_interval) in (int, float) and run_log_interval >= 0 and math.isfinite(run_log_interval)
-        ):
-            raise InvalidArgumentError(
-                f"run_log_interval must be None or a number of seconds >= 0, got {run_log_interval!r}"
-            )
-        if interval is not None and not isinstance(interval, SavePolicy):
-            raise InvalidArgumentError(
-                f"interval must be a save policy such as tiercheck.Every(steps=500), got {interval!r}"
-            )
-        self._interval = interval
-        self._last_save_time = time.monotonic()
-        self._last_saved: int | None = None
-        self._asked: tuple[int, bool] | None = None  # the last should_save (step, answer)
-        self._preempt_pending = False  # single rank: a SIGTERM asked for a save
-        self._preempted = False
-        self._sigterm: _SigtermState | None = None
-        self._replicated = _replicated_keys(replicated)
-        if not (
-            replicated_writer == "balance" or (type(replicated_writer) is int and 0 <= replicated_writer < world_size)
-        ):
-            raise InvalidArgumentError(
-                f"replicated_writer must be 'balance' or a rank below {world_size}, got {replicated_writer!r}"
-            )
-        self._replicated_writer = replicated_writer
-        self._owners: tuple[tuple[object, ...], dict[object, int], dict[object, int]] | None = None
-        keep_l = as_policy(keep_local, "keep_local")
-        keep_r = as_policy(keep_remote, "keep_remote")
+        opts = Options.validate(**{k: v for k, v in locals().items() if k != "self"})
+        self._options = opts
         self._local = (
             None if local is None else LocalTier(local, direct_io=direct_io, fsync=fsync, write_rate=local_write_rate)
         )
@@ -242,7 +205,7 @@ class Checkpointer:
             if remote is None
             else RemoteTier(
                 remote,
-                _with_timeouts(os.fspath(remote), storage_options, remote_timeout),
+                with_timeouts(os.fspath(remote), storage_options, remote_timeout),
                 retry=RetryPolicy(budget_s=remote_retry_budget),
                 op_timeout=remote_timeout,
                 write_rate=remote_write_rate,
@@ -252,33 +215,44 @@ class Checkpointer:
             )
         )
         self._tiers: list[Tier] = [t for t in (self._local, self._remote) if t is not None]
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = opts.rank
+        self.world_size = opts.world_size
         self._pool = HostBufferPool(host_buffers)
         self._plans: dict[object, ShardPlan] = {}
+        self._placement: tuple[tuple[object, ...], Placement] | None = None  # cached per key set
         self._lock = threading.RLock()  # save/restore/close are serialised
         self._latest_known: int | None = None
         self._branch_point: int | None = None  # the restored step, until the next save
         self._seen_at_restore: tuple[int, ...] | None = None
         self._closed = False
-        self._overlap = overlap
         self._warned_unguarded = False
         self._guards: dict[int, tuple[weakref.ref[torch.optim.Optimizer], Any]] = {}
         self._group: Group | None = None
-        if world_size > 1:
-            self._group = join_group(store, rank, world_size, coordination_timeout, self._local, self._remote)
+        if opts.world_size > 1:
+            self._group = join_group(
+                opts.store, opts.rank, opts.world_size, opts.coordination_timeout, self._local, self._remote
+            )
         self._pipeline = Pipeline(
-            self._local, self._remote, self._pool, keep_l, keep_r, checksum, upload_backlog, low_priority, self._group
+            self._local,
+            self._remote,
+            self._pool,
+            opts.keep_local,
+            opts.keep_remote,
+            checksum,
+            upload_backlog,
+            low_priority,
+            self._group,
         )
         self._runlog = RunLog(
             self._local,
             self._remote,
-            rank,
-            world_size,
+            opts.rank,
+            opts.world_size,
             run_log_interval,
             self._pipeline.submit_side_task if self._remote is not None else None,
         )
-        self._requests = None if self._group is None else SaveRequests(self._group.coord)
+        requests = None if self._group is None else SaveRequests(self._group.coord)
+        self._trigger = SaveTrigger(interval, requests, opts.rank)
         # A fork() child gets a copy of this object but none of the pipeline's threads: it
         # compares its pid with this one and does nothing (see `_check_process`).
         self._pid = os.getpid()
@@ -372,64 +346,28 @@ class Checkpointer:
         buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
         self._pool.release(buf)
 
-    def _flatten(self, state: Mapping[Any, Any]) -> tuple[FlatState, tuple[Key, ...], tuple[tuple[Key, int], ...]]:
-        """Flatten the part of `state` this rank writes: everything but the replicated keys
-        another rank writes, which become `replica` references in the tree. Also returns the
-        replicated keys and, when tier 2 must get them from other ranks than tier 1 does (a
-        node-local tier 1), who uploads each."""
-        if not self._replicated or not isinstance(state, Mapping):
-            return flatten_state(state), (), ()
-        keys = list(state) if self._replicated is True else [k for k in state if k in self._replicated]
-        if self._replicated is not True:
-            missing = [k for k in self._replicated if k not in state]
-            if missing:
-                raise UnsupportedStateError(f"replicated keys {missing!r} are not in the state (keys: {list(state)!r})")
-        encoded = {k: _encode_key(k) for k in keys}
-        owners, uploaders = self._owners_of(state, keys)
-        flat = flatten_state({k: v for k, v in state.items() if owners.get(k, self.rank) == self.rank})
-        mine = iter(zip(flat.tree["k"], flat.tree["v"], strict=True))
-        tree_k: list[list[str]] = []
-        tree_v: list[dict[str, Any]] = []
-        for k in state:
-            if owners.get(k, self.rank) == self.rank:
-                ek, node = next(mine)
-            else:
-                ek, node = encoded[k], {"t": "replica", "r": owners[k]}
-            tree_k.append(ek)
-            tree_v.append(node)
-        tree = {"t": "dict", "k": tree_k, "v": tree_v}
-        replicated = tuple((e[0], e[1]) for e in encoded.values())
-        remote_owners = tuple(((encoded[k][0], encoded[k][1]), r) for k, r in uploaders.items())
-        return dataclasses.replace(flat, tree=tree), replicated, remote_owners
-
-    def _owners_of(self, state: Mapping[Any, Any], keys: list[Any]) -> tuple[dict[object, int], dict[object, int]]:
-        """Which rank writes each replicated key to tier 1, and (if it differs) which rank
-        uploads it to tier 2; computed once per set of keys, the same on every rank of a
-        directory (it depends only on the keys, their sizes and the job's layout)."""
-        if self._owners is not None and self._owners[0] == tuple(keys):
-            return self._owners[1], self._owners[2]
-        group = self._group
-        uploaders: dict[object, int] = {}
-
-        def sizes() -> dict[object, int]:
-            return {k: _nbytes(flatten_state({k: state[k]})) for k in keys}
-
-        if self.world_size == 1:
-            owners = dict.fromkeys(keys, 0)
-        elif group is not None and group.node_local:
-            # Each tier-1 directory (node) keeps a full copy, spread over the ranks sharing it,
-            # so every node restores from its own disk; tier 2 gets one copy, uploaded by the
-            # ranks of rank 0's directory.
-            nbytes = sizes()
-            owners = _balance(keys, nbytes, group.members)
-            if self._remote is not None:
-                uploaders = _balance(keys, nbytes, group.first_members)
-        elif self._replicated_writer != "balance":
-            owners = dict.fromkeys(keys, int(self._replicated_writer))
-        else:
-            owners = _balance(keys, sizes(), range(self.world_size))
-        self._owners = (tuple(keys), owners, uploaders)
-        return owners, uploaders
+    def _flatten(self, state: Mapping[Any, Any]) -> Placed:
+        """This rank's part of `state` (`placement`): replicated keys another rank writes
+        become references. The placement is computed once per set of replicated keys."""
+        replicated = self._options.replicated
+        if not replicated or not isinstance(state, Mapping):
+            return Placed(flatten_state(state), (), ())
+        keys = replicated_keys(state, replicated)
+        cached = self._placement
+        if cached is None or cached[0] != tuple(keys):
+            group = self._group
+            job = JobLayout(
+                self.world_size,
+                node_local=group is not None and group.node_local,
+                members=() if group is None else group.members,
+                first_members=() if group is None else group.first_members,
+                has_remote=self._remote is not None,
+            )
+            cached = self._placement = (
+                tuple(keys),
+                place(keys, lambda: key_sizes(state, keys), job, self._options.replicated_writer),
+            )
+        return split_state(state, self.rank, keys, cached[1])
 
     def _plan_for(self, flat: FlatState) -> ShardPlan:
         sig = flat.signature
@@ -496,78 +434,43 @@ class Checkpointer:
             self._check_open()
             if type(step) is not int or step < 0:
                 raise UnsupportedStateError(f"step must be a non-negative int, got {step!r}")
-            submitted = False  # from then on the pipeline reports this step's fate to the other ranks
             try:
                 self._raise_background_errors()
                 recorded = metric_values(metrics)
-                flat, replicated, remote_owners = self._flatten(state)
+                placed = self._flatten(state)
                 self._pipeline.become_writer(self.rank, self.world_size)
                 self._claim_step(step)
-                plan = self._plan_for(flat)
+                plan = self._plan_for(placed.flat)
                 handle = SaveHandle(
                     step, [t.name for t in self._tiers], self._pipeline.error_seen, self._pipeline.call_soon
                 )
-                stats = handle.stats
                 allocations = self._pool.allocations
                 t1 = time.perf_counter()
-                buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
+                buf = self._pool.acquire(plan.total_bytes, needs_pinned(placed.flat.sources))
                 t2 = time.perf_counter()
-                wants_overlap = self._overlap if overlap is None else overlap
-                if wants_overlap and flat.unguarded and not self._warned_unguarded:
-                    self._warned_unguarded = True
-                    warnings.warn(
-                        f"tiercheck: save(overlap=True): no optimizer in the saved state updates "
-                        f"{len(flat.unguarded)} module parameter(s) ({flat.unguarded[0]}, ...); they are "
-                        "copied before save() returns, since nothing would hold their writer back. Put "
-                        "the optimizer in the state to overlap their copy with training",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-                overlapped = wants_overlap and any(flat.deferrable)
+                overlapped = self._overlapped(placed.flat, overlap)
                 job = StagedSave(
                     step=step,
                     rank=self.rank,
                     world_size=self.world_size,
-                    tree=flat.tree,
-                    leaves=flat.leaves,
+                    tree=placed.flat.tree,
+                    leaves=placed.flat.leaves,
                     plan=plan,
                     buffer=buf,
                     handle=handle,
                     progress=None if overlapped else StageProgress(),
-                    replicated=replicated,
-                    remote_owners=remote_owners,
+                    replicated=placed.replicated,
+                    remote_owners=placed.remote_owners,
                     metrics=recorded,
                 )
-                if overlapped:
-                    try:
-                        stage_into(buf, flat, plan, deferred=False)
-                    except BaseException:
-                        self._pool.release(buf)
-                        raise
-                    self._guard(flat.optimizers)
-                    handle._staged.clear()
-                    self._pipeline.submit(job, finish_staging=flat)
-                    submitted = True
-                else:
-                    # The writer starts now (it opens the step meanwhile) and writes once the
-                    # copy is done; on failure it drops the step and we raise the cause.
-                    assert job.progress is not None
-                    self._pipeline.submit(job)
-                    submitted = True
-                    try:
-                        stage_into(buf, flat, plan, progress=job.progress)
-                    except BaseException:
-                        # Off the in-flight list before the writer hears of it: a retry of
-                        # this step (after Ctrl-C, say) must not meet it there.
-                        self._pipeline.forget_unstaged(job)
-                        submitted = False  # the other ranks hear of it from _abandon below
-                        job.progress.fail()
-                        raise
+                self._stage(job, placed.flat, overlapped)
             except BaseException as exc:
-                if self._group is not None and not submitted:
+                # Nothing reached the pipeline (or it was taken back): tell the other ranks now.
+                if self._group is not None:
                     self._abandon(step, exc)
                 raise
             t3 = time.perf_counter()
+            stats = handle.stats
             stats.bytes = plan.total_bytes
             stats.allocated = self._pool.allocations != allocations
             stats.buffer_wait_s = t2 - t1
@@ -575,9 +478,49 @@ class Checkpointer:
             stats.stall_s = t3 - t0
             self._latest_known = step
             self._runlog.saved(handle)
-            self._last_saved = step
-            self._last_save_time = time.monotonic()
+            self._trigger.saved(step)
             return handle
+
+    def _overlapped(self, flat: FlatState, overlap: bool | None) -> bool:
+        """Whether this save defers the copy of optimizer-guarded tensors (`save(overlap=)`)."""
+        wants_overlap = self._options.overlap if overlap is None else overlap
+        if wants_overlap and flat.unguarded and not self._warned_unguarded:
+            self._warned_unguarded = True
+            warnings.warn(
+                f"tiercheck: save(overlap=True): no optimizer in the saved state updates "
+                f"{len(flat.unguarded)} module parameter(s) ({flat.unguarded[0]}, ...); they are "
+                "copied before save() returns, since nothing would hold their writer back. Put "
+                "the optimizer in the state to overlap their copy with training",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return wants_overlap and any(flat.deferrable)
+
+    def _stage(self, job: StagedSave, flat: FlatState, overlapped: bool) -> None:
+        """Copy `flat` into the job's buffer and hand the job to the pipeline. If this raises,
+        the pipeline does not hold the step (the caller may retry it at once)."""
+        if overlapped:
+            try:
+                stage_into(job.buffer, flat, job.plan, deferred=False)
+            except BaseException:
+                self._pool.release(job.buffer)
+                raise
+            self._guard(flat.optimizers)
+            job.handle._staged.clear()
+            self._pipeline.submit(job, finish_staging=flat)
+            return
+        # The writer starts now (it opens the step meanwhile) and writes once the copy is
+        # done; on failure it drops the step and we raise the cause.
+        assert job.progress is not None
+        self._pipeline.submit(job)
+        try:
+            stage_into(job.buffer, flat, job.plan, progress=job.progress)
+        except BaseException:
+            # Off the in-flight list before the writer hears of it: a retry of this step
+            # (after Ctrl-C, say) must not meet it there.
+            self._pipeline.forget_unstaged(job)
+            job.progress.fail()
+            raise
 
     # -- when to save ----------------------------------------------------------------
 
@@ -600,29 +543,7 @@ class Checkpointer:
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
         self._check_open()
-        if self._asked is not None and self._asked[0] == step:
-            return self._asked[1]
-        policy = self._interval
-        due = policy is not None and policy.due_by_step(step, self._last_saved)
-        clock_due = policy is not None and policy.due_by_clock(time.monotonic() - self._last_save_time)
-        requests = self._requests
-        if requests is None:
-            due = due or clock_due or self._preempt_pending
-            if self._preempt_pending:
-                self._preempt_pending = False
-                self._preempted = True
-        else:
-            if clock_due and self.rank == 0 and not requests.requested:
-                requests.request("interval")
-            if self._preempt_pending:
-                self._preempt_pending = False
-                requests.request("preempt")
-            agreed = requests.poll(step)
-            if agreed is not None:
-                due = True
-                self._preempted = self._preempted or "preempt" in agreed
-        self._asked = (step, due)
-        return due
+        return self._trigger.should_save(step)
 
     def maybe_save(self, step: int, state: Mapping[Any, Any], **kwargs: Any) -> SaveHandle | None:
         """`save(step, state, **kwargs)` if `should_save(step)`, else None.
@@ -640,32 +561,22 @@ class Checkpointer:
             ...     if ckpt.preempted:
             ...         break
         """
-        preempted_before = self._preempted
+        trigger = self._trigger
+        preempted_before = trigger.preempted
         if not self.should_save(step):
             return None
         handle = self.save(step, state, **kwargs)
-        if self._preempted and not preempted_before:
-            self._finish_preemption()
+        if trigger.preempted and not preempted_before:
+            report = self.drain(trigger.grace_left())
+            logger.warning("tiercheck: preemption snapshot drained: %s", report)
+            trigger.after_preemption_save()
         return handle
 
     @property
     def preempted(self) -> bool:
         """True once a preemption save was agreed (on every rank of a job, whichever rank
         received the signal): a training loop may stop after that save."""
-        return self._preempted
-
-    def _finish_preemption(self) -> None:
-        sig = self._sigterm
-        if sig is None:  # a rank without the handler, saving for another rank's signal
-            grace = _DEFAULT_GRACE_S
-        elif sig.received:
-            grace = max(0.0, sig.deadline - time.monotonic())
-        else:
-            grace = sig.grace_s
-        report = self.drain(grace)
-        logger.warning("tiercheck: preemption snapshot drained: %s", report)
-        if sig is not None and sig.received:
-            sig.deliver()
+        return self._trigger.preempted
 
     # -- deleting and reading metadata -------------------------------------------------
 
@@ -751,8 +662,8 @@ class Checkpointer:
             self._guards[id(opt)] = (weakref.ref(opt), opt.register_step_pre_hook(wait_for_copy))
 
     def _claim_step(self, step: int) -> None:
-        """Check that `step` is newer than every known step; after a restore, a step between
-        the restored one and the newest committed one starts a new branch."""
+        """Check that `step` may be saved (`steporder.claim`); on a new branch after a
+        restore, delete the abandoned steps first (one rank per directory)."""
         if self._latest_known is not None:
             newest = self._latest_known  # set by this session's saves: no listing needed
             committed: list[int] = []
@@ -760,29 +671,24 @@ class Checkpointer:
             committed = self._committed_for_claim()
             in_flight = self._pipeline.in_flight()
             newest = max(committed[-1:] + in_flight[-1:], default=-1)
-        branch_point = self._branch_point
-        if step > newest:
-            self._branch_point = None
+        branch_point, self._branch_point = self._branch_point, None
+        try:
+            decision = claim(step, newest, committed, branch_point, self._tiers[0].path_of(newest))
+        except StepConflictError:
+            self._branch_point = branch_point
+            raise
+        if isinstance(decision, Proceed):
             return
-        if branch_point is None or step <= branch_point or not committed:
-            raise StepConflictError(
-                f"cannot save step {step}: step {newest} is already committed or being saved "
-                f"({self._tiers[0].path_of(newest)}); steps must increase. To roll back, "
-                f"restore(state, step=K) with K < {step} first: saving after that starts a new "
-                f"branch and discards the steps after K"
-            )
-        self._branch_point = None
-        stale = [s for s in committed if s > branch_point]
         for t in self._tiers:
             if self._group is not None and not self._group.leads(t.name):
                 continue  # one rank per directory deletes
             on_tier = set(t.committed_steps())
-            for s in reversed(stale):
+            for s in reversed(decision.stale):
                 if s in on_tier:
                     t.delete_step(s)
         warnings.warn(
-            f"tiercheck: step {step} starts a new branch after restored step {branch_point}; "
-            f"deleted the abandoned steps {stale}",
+            f"tiercheck: step {step} starts a new branch after restored step {decision.branch_point}; "
+            f"deleted the abandoned steps {list(decision.stale)}",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -897,25 +803,20 @@ class Checkpointer:
         """
         previous = signal.getsignal(signal.SIGTERM)
         me = weakref.ref(self)
-        state = _SigtermState(grace_s, previous)
-        self._sigterm = state if fresh else None
+        state = SigtermState(grace_s, previous)
+        self._trigger.sigterm = state if fresh else None
 
-        def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
+        def live() -> SaveTrigger | None:
             ckpt = me()
             usable = ckpt is not None and not ckpt._closed and not ckpt._forked()
-            if fresh and usable:
-                assert ckpt is not None
-                state.received = True
-                state.frame = frame
-                state.deadline = time.monotonic() + grace_s
-                ckpt._preempt_pending = True
-                return
-            if usable:
-                assert ckpt is not None
-                ckpt.drain(grace_s)
-            state.deliver(frame)
+            return ckpt._trigger if usable and ckpt is not None else None
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+        def drain(grace: float) -> None:
+            ckpt = me()
+            if ckpt is not None:
+                ckpt.drain(grace)
+
+        signal.signal(signal.SIGTERM, sigterm_handler(state, fresh, live, drain))
 
     def close(self) -> None:
         """Drain pending saves, stop the writer, free the host buffers. Idempotent.
@@ -1029,91 +930,6 @@ class Checkpointer:
             self._seen_at_restore = found.committed
             self._latest_known = None  # re-derived at the next save
             return found.step
-
-
-@dataclasses.dataclass(slots=True)
-class _SigtermState:
-    """What `install_sigterm_handler(fresh=True)` remembers between the signal and the save."""
-
-    grace_s: float
-    previous: Any  # the disposition before ours: a callable, SIG_DFL, SIG_IGN or None
-    received: bool = False
-    deadline: float = 0.0
-    frame: types.FrameType | None = None
-
-    def deliver(self, frame: types.FrameType | None = None) -> None:
-        """Let SIGTERM do what it did before the handler (main thread only)."""
-        previous = self.previous
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        if callable(previous):
-            previous(signal.SIGTERM, frame if frame is not None else self.frame)
-        elif previous == signal.SIG_DFL or previous is None:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _balance(keys: list[Any], nbytes: Mapping[object, int], ranks: Iterable[int]) -> dict[object, int]:
-    return balance(keys, nbytes, ranks, lambda k: repr(_encode_key(k)))
-
-
-def _nbytes(flat: FlatState) -> int:
-    return sum(lf.nbytes for lf in flat.leaves if lf.alias_of is None)
-
-
-def _encode_key(k: object) -> list[str]:
-    if type(k) is str:
-        return ["s", k]
-    if type(k) is int:
-        return ["i", str(k)]
-    raise UnsupportedStateError(f"state[{k!r}]: dict keys must be str or int, got {type(k).__name__}")
-
-
-def _replicated_keys(replicated: bool | Iterable[str | int]) -> bool | frozenset[str | int]:
-    if replicated is True or replicated is False:
-        return replicated
-    if isinstance(replicated, (str, bytes)) or not isinstance(replicated, Iterable):
-        raise InvalidArgumentError(
-            f"replicated must be True, False or a collection of top-level keys, got {replicated!r}"
-        )
-    keys = frozenset(replicated)
-    for k in keys:
-        if type(k) not in (str, int):
-            raise InvalidArgumentError(f"replicated keys must be str or int, got {k!r}")
-    return keys or False
-
-
-def _job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[int, int, Any]:
-    """(rank, world size, store): as given, else from the default process group, else 0 of 1."""
-    if rank is None or world_size is None:
-        found = from_process_group()
-        if found is not None:
-            rank = found[0] if rank is None else rank
-            world_size = found[1] if world_size is None else world_size
-            store = found[2] if store is None else store
-    rank = 0 if rank is None else rank
-    world_size = 1 if world_size is None else world_size
-    if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
-        raise InvalidArgumentError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
-    if world_size > 1 and store is None:
-        found = from_process_group()
-        if found is None:
-            raise InvalidArgumentError(
-                f"world_size={world_size} needs a way to reach the other ranks: initialise the default "
-                "process group (torch.distributed.init_process_group, as torchrun jobs do) or pass store="
-            )
-        store = found[2]
-    return rank, world_size, store
-
-
-def _with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
-    """Bound S3 client calls: botocore's defaults (60 s reads, retries inside) stall for minutes."""
-    opts = dict(options or {})
-    if url.startswith(("s3://", "s3a://")):
-        config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("connect_timeout", timeout)
-        config.setdefault("read_timeout", timeout)
-        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
-        opts["config_kwargs"] = config
-    return opts
 
 
 def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str, runlog: RunLog, pid: int) -> None:

@@ -1,0 +1,146 @@
+"""Checkpointer's options, validated once into a frozen value.
+
+`Checkpointer.__init__` keeps its keyword arguments (they are the public API); it hands
+them to `Options.validate`, which checks each one, resolves the job's place (rank, world
+size, store) and turns retention arguments into policies. Every later decision reads the
+frozen `Options`, never the raw arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .checksum import ALGORITHMS
+from .errors import InvalidArgumentError
+from .placement import normalize_replicated
+from .retention import RetentionPolicy, as_policy
+from .schedule import SavePolicy
+from .store import from_process_group
+from .tiers.base import Tier
+
+__all__ = ["BACKLOG_POLICIES", "Options", "job_place"]
+
+BACKLOG_POLICIES = ("newest", "all")
+
+Location = str | os.PathLike[str] | Tier
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+    """Every Checkpointer option, checked; see `Checkpointer` for what each means."""
+
+    local: Location | None
+    remote: Location | None
+    storage_options: Mapping[str, Any] | None
+    keep_local: RetentionPolicy
+    keep_remote: RetentionPolicy
+    host_buffers: int
+    checksum: str
+    direct_io: bool
+    fsync: bool
+    local_write_rate: float | None
+    remote_write_rate: float | None
+    remote_retry_budget: float
+    remote_timeout: float
+    upload_backlog: str
+    remote_compression: str | None
+    remote_concurrency: int
+    remote_part_size: int
+    overlap: bool
+    low_priority: bool
+    rank: int
+    world_size: int
+    store: Any
+    replicated: bool | frozenset[str | int]
+    replicated_writer: int | str
+    coordination_timeout: float
+    run_log_interval: float | None
+    interval: SavePolicy | None
+
+    @classmethod
+    def validate(cls, **kwargs: Any) -> Options:
+        """Check the arguments of `Checkpointer.__init__` (by name) and return them as Options.
+
+        Raises:
+            InvalidArgumentError: no tier given, or an invalid option (names it).
+        """
+        if kwargs["local"] is None and kwargs["remote"] is None:
+            raise InvalidArgumentError("Checkpointer needs at least one tier: local=DIR and/or remote=URL")
+        if kwargs["checksum"] not in ALGORITHMS:
+            raise InvalidArgumentError(f"checksum must be one of {ALGORITHMS}, got {kwargs['checksum']!r}")
+        rank, world_size, store = job_place(kwargs["rank"], kwargs["world_size"], kwargs["store"])
+        for name in ("coordination_timeout", "remote_timeout"):
+            value = kwargs[name]
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
+        interval_s = kwargs["run_log_interval"]
+        if interval_s is not None and not (
+            type(interval_s) in (int, float) and interval_s >= 0 and math.isfinite(interval_s)
+        ):
+            raise InvalidArgumentError(f"run_log_interval must be None or a number of seconds >= 0, got {interval_s!r}")
+        interval = kwargs["interval"]
+        if interval is not None and not isinstance(interval, SavePolicy):
+            raise InvalidArgumentError(
+                f"interval must be a save policy such as tiercheck.Every(steps=500), got {interval!r}"
+            )
+        writer = kwargs["replicated_writer"]
+        if not (writer == "balance" or (type(writer) is int and 0 <= writer < world_size)):
+            raise InvalidArgumentError(
+                f"replicated_writer must be 'balance' or a rank below {world_size}, got {writer!r}"
+            )
+        if kwargs["upload_backlog"] not in BACKLOG_POLICIES:
+            raise InvalidArgumentError(
+                f"upload_backlog must be one of {BACKLOG_POLICIES}, got {kwargs['upload_backlog']!r}"
+            )
+        return cls(
+            **{
+                **kwargs,
+                "rank": rank,
+                "world_size": world_size,
+                "store": store,
+                "replicated": normalize_replicated(kwargs["replicated"]),
+                "keep_local": as_policy(kwargs["keep_local"], "keep_local"),
+                "keep_remote": as_policy(kwargs["keep_remote"], "keep_remote"),
+            }
+        )
+
+
+def job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[int, int, Any]:
+    """(rank, world size, store): as given, else from the default process group, else 0 of 1."""
+    if rank is None or world_size is None:
+        found = from_process_group()
+        if found is not None:
+            rank = found[0] if rank is None else rank
+            world_size = found[1] if world_size is None else world_size
+            store = found[2] if store is None else store
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+    if world_size > 1 and store is None:
+        found = from_process_group()
+        if found is None:
+            raise InvalidArgumentError(
+                f"world_size={world_size} needs a way to reach the other ranks: initialise the default "
+                "process group (torch.distributed.init_process_group, as torchrun jobs do) or pass store="
+            )
+        store = found[2]
+    return rank, world_size, store
+
+
+def with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
+    """Bound S3 client calls: botocore's defaults (60 s reads, retries inside) stall for minutes."""
+    opts = dict(options or {})
+    if url.startswith(("s3://", "s3a://")):
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout)
+        config.setdefault("read_timeout", timeout)
+        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
+        opts["config_kwargs"] = config
+    return opts
+
+
