@@ -167,7 +167,7 @@ def commit_step(
     ref: ManifestRef,
     marker: Marker,
     assignment: str,
-    reported: Callable[[], None] = lambda: None,
+    reported: Callable[[], object] = lambda: None,
 ) -> None:
     """Make the step visible: alone, write the marker; in a job, publish this rank's part
     and wait until rank 0 has heard from every rank and the marker is written. `reported`

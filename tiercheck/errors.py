@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .tiers.base import Tier
+
 __all__ = [
     "CheckpointCorruptedError",
     "ClosedError",
@@ -17,6 +22,7 @@ __all__ = [
     "TiercheckError",
     "UnsupportedStateError",
     "UploadSkippedError",
+    "tier_error",
 ]
 
 
@@ -125,3 +131,18 @@ class TierError(TiercheckError, OSError):
 
 def _rebuild_tier_error(message: str, step: int | None, tier: str, path: str) -> TierError:
     return TierError(message, step=step, tier=tier, path=path)
+
+
+def tier_error(exc: BaseException, step: int | None, tier: Tier, doing: str) -> TierError:
+    """A `TierError` for `exc`, raised by `tier` while `doing` `step`: names step, tier and path."""
+    path = getattr(exc, "filename", None) or (tier.path_of(step) if step is not None else tier.location)
+    what = f"step {step}" if step is not None else "a step"
+    err = TierError(
+        f"tier {tier.name!r} failed {doing} {what} at {path}: {type(exc).__name__}: {exc}. "
+        "Earlier committed steps are intact.",
+        step=step,
+        tier=tier.name,
+        path=str(path),
+    )
+    err.__cause__ = exc
+    return err

@@ -1,0 +1,133 @@
+"""Writing one staged step from the host buffer to a tier: shard, manifest, commit.
+
+The shard is written while a checksum thread (the pipeline's, passed in) hashes each leaf
+of the same buffer; both release the GIL. With a `ready` progress (the copy into the buffer
+may still run), each block is written, and each leaf hashed, only once it is final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+
+from . import layout
+from .checksum import checksum_function
+from .commit import commit_step, part_may_commit
+from .coordination import Group
+from .handle import SaveHandle
+from .manifest import Manifest, ManifestRef, Marker, Metric, assignment_digest, encode_manifest
+from .planner import ShardPlan
+from .retarget import Key, Retargeted, region_chunks, retarget
+from .staging import HostBuffer, StageProgress
+from .state import JsonNode, Leaf
+from .stepdoc import shard_manifest, stored_as, with_alias_sums
+from .tiers.base import StepWriter, Tier
+
+__all__ = ["REGION_BLOCK", "StagedSave", "write_regions", "write_staged"]
+
+REGION_BLOCK = 8 << 20  # bytes per read when packing the regions of a retargeted shard
+
+
+@dataclass(frozen=True, slots=True)
+class StagedSave:
+    """Everything a writer needs for one step; the buffer is the pipeline's until written."""
+
+    step: int
+    rank: int
+    world_size: int
+    tree: JsonNode
+    leaves: tuple[Leaf, ...]
+    plan: ShardPlan
+    buffer: HostBuffer
+    handle: SaveHandle
+    progress: StageProgress | None = None  # set when the writer may start before the copy ends
+    replicated: tuple[tuple[str, str], ...] = ()  # top-level keys the same on every rank
+    # Node-local tier 1: who uploads each replicated key to tier 2 (empty: as on tier 1).
+    remote_owners: tuple[tuple[Key, int], ...] = ()
+    metrics: tuple[tuple[str, Metric], ...] = ()  # recorded in the commit marker
+
+
+def write_staged(
+    tier: Tier,
+    job: StagedSave,
+    *,
+    hasher: Executor,
+    checksum_algorithm: str,
+    group: Group | None,
+    owners: dict[Key, int],
+    owners_agree: bool,
+    reported: Callable[[], object],
+) -> None:
+    """Write `job` to `tier` and commit it (alone, or through the job's vote).
+
+    `owners`: replicated keys other ranks upload, left out of this copy (tier 1 failed and
+    this part goes to tier 2 from host memory); `owners_agree`: whether the ranks must agree
+    on who holds each replicated key (not on a node-local tier 1, where each directory holds
+    its own copies). `reported` runs once this rank's part is published in a job.
+    """
+    tier.check_space(job.step, job.plan.total_bytes)
+    checksum = checksum_function(checksum_algorithm)
+    futures: list[Future[str] | None] = [
+        None if leaf.alias_of is not None else hasher.submit(_leaf_checksum, job, checksum, off, leaf.nbytes)
+        for leaf, off in zip(job.leaves, job.plan.offsets, strict=True)
+    ]
+    ready = job.progress.wait if job.progress is not None else None
+    writer = tier.open_step(job.step, job.rank, shared=group is not None)
+
+    def manifest_with(sums: list[str]) -> Manifest:
+        return shard_manifest(
+            step=job.step,
+            rank=job.rank,
+            world_size=job.world_size,
+            checksum_algorithm=checksum_algorithm,
+            leaves=job.leaves,
+            plan=job.plan,
+            sums=sums,
+            tree=job.tree,
+            replicated=job.replicated,
+        )
+
+    try:
+        view = job.buffer.view(job.plan.total_bytes)
+        shard = layout.shard_name(job.rank, job.world_size)
+        moved = retarget(manifest_with([""] * len(job.leaves)), owners) if owners else None
+        if moved is None:
+            stored = writer.write_file(shard, view, job.buffer.aligned, compress=True, ready=ready)
+        else:
+            if ready is not None:
+                ready(len(view))
+            stored = write_regions(writer, shard, lambda o, n: view[o : o + n], moved)
+        doc = manifest_with(with_alias_sums(job.leaves, [f.result() if f is not None else "" for f in futures]))
+        if moved is not None:
+            again = retarget(doc, owners)
+            assert again is not None and again.regions == moved.regions
+            doc = again.manifest
+        manifest = encode_manifest(stored_as(doc, tier.codec, [stored]))
+        mname = layout.manifest_name(job.rank, job.world_size)
+        writer.write_file(mname, memoryview(manifest))
+        ref = ManifestRef(mname, len(manifest), checksum(manifest))
+        marker = Marker(job.step, job.world_size, checksum_algorithm, (), job.metrics)
+        commit_step(group, tier, writer, job.step, ref, marker, assignment_digest(doc, owners_agree), reported)
+    except BaseException as exc:
+        for f in futures:
+            if f is not None:
+                f.cancel()
+        if not part_may_commit(exc):
+            writer.abort()
+        raise
+
+
+def write_regions(
+    writer: StepWriter, name: str, read: Callable[[int, int], bytes | memoryview], moved: Retargeted
+) -> int:
+    """Write the packed shard of a retargeted part; returns the bytes stored."""
+    return writer.write_chunks(
+        name, lambda: region_chunks(read, moved.regions, moved.length, REGION_BLOCK), moved.length, compress=True
+    )
+
+
+def _leaf_checksum(job: StagedSave, checksum: Callable[[memoryview], str], off: int, nbytes: int) -> str:
+    if job.progress is not None:
+        job.progress.wait(off + nbytes)
+    return checksum(job.buffer.view(off + nbytes)[off:])
