@@ -31,17 +31,15 @@ Errors are captured and handed to the caller's thread exactly once.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .coordination import Group
 from .errors import ClosedError, TiercheckError, TierError, UploadSkippedError, tier_error
-from .events import emit, logger
+from .events import logger
 from .handle import SaveHandle
 from .priority import lower_current_thread
 from .pruner import Pruner
@@ -50,8 +48,9 @@ from .retention import KeepAll, RetentionPolicy, plan_catch_up, superseded
 from .staging import HostBufferPool, StagingAborted, stage_into
 from .state import FlatState
 from .tiers.base import Tier
+from .tracking import Tracker
 from .upload import copy_from_local, uploaders_of
-from .workers import STOP, Worker, run_callback
+from .workers import STOP, Worker
 from .writestep import StagedSave, write_staged
 
 __all__ = ["Pipeline", "StagedSave"]
@@ -93,14 +92,6 @@ class _SideTask:
     run: Callable[[], None]
 
 
-@dataclass(slots=True)
-class _Track:
-    handle: SaveHandle
-    remaining: set[str] = field(default_factory=set)
-    reported: set[str] = field(default_factory=set)  # tiers whose outcome the other ranks know
-
-
-
 class Pipeline:
     """Owns the workers, the checksum helper, per-step tracking, the backlog policy and the
     error mailbox; the work itself is `writestep`, `upload`, `commit` and `pruner`."""
@@ -124,11 +115,21 @@ class Pipeline:
         self._backlog = upload_backlog
         self._group = group
         self._checksum_name = checksum
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         keep = {t.name: k for t, k in ((fast, keep_fast), (durable, keep_durable)) if t is not None}
+        self._tracker = Tracker(group, lambda tier: self._pruner.failed(tier))
+        self._lock = self._tracker.lock
+        self._idle = self._tracker.idle
         self._pruner = Pruner(tiers, keep, group, self._lock)
-        self._tracks: dict[int, _Track] = {}
+        self._tracks = self._tracker.tracks  # guarded by `_lock`
+        self.in_flight = self._tracker.in_flight
+        self.wait_tier = self._tracker.wait_tier
+        self.call_soon = self._tracker.call_soon
+        self.take_errors = self._tracker.take_errors
+        self.error_seen = self._tracker.error_seen
+        self.newest_durable = self._tracker.newest_durable  # per tier, the newest step made durable here
+        self._finish = self._tracker.finish
+        self._first_report = self._tracker.first_report
+        self._report = self._tracker.report
         self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
         # Tier-1 steps tier 2 still needs that no handle tracks: catch-up uploads not yet
         # attempted, and failed uploads that tier-2 retention would keep (`_settle_owed`).
@@ -137,10 +138,6 @@ class Pipeline:
         self._owed: set[int] = set()
         self._writing = False
         self._catch_up_queued = False
-        self._errors: list[TierError] = []
-        self.newest_durable: dict[str, int] = {}  # per tier, the newest step this session made durable
-        self._callbacks: Worker | None = None  # started at the first done callback
-        self._callbacks_stopped = False
         self._closed = False
         # The stager keeps normal priority: an optimizer step may be waiting for it.
         init = lower_current_thread if low_priority else None
@@ -184,7 +181,7 @@ class Pipeline:
         with self._lock:
             if self._closed:
                 raise ClosedError("the checkpointer is closed")
-            self._tracks[job.step] = _Track(job.handle, set(tiers))
+            self._tracker.add(job.step, job.handle, tiers)
         self.start_catch_up()  # after the step is tracked: the catch-up counts it as pending
         if finish_staging is not None:
             self._stager.put(_Stage(job, finish_staging))
@@ -194,11 +191,7 @@ class Pipeline:
     def forget_unstaged(self, job: StagedSave) -> None:
         """save() failed while copying `job` and raises: the step is no longer in flight, so
         the caller may retry it at once. The writer still drops the job (and its buffer)."""
-        with self._lock:
-            track = self._tracks.get(job.step)
-            if track is not None and track.handle is job.handle:
-                del self._tracks[job.step]
-                self._idle.notify_all()
+        self._tracker.forget(job.step, job.handle)
 
     def submit_side_task(self, run: Callable[[], None]) -> None:
         """Run `run` on the uploader thread, between steps; dropped once the pipeline is closed."""
@@ -237,59 +230,17 @@ class Pipeline:
         job.handle._staged.set()
         self._write_next(job)
 
-    def in_flight(self, tier: str | None = None) -> list[int]:
-        """Steps not yet finished on `tier` (on any tier if None)."""
-        with self._lock:
-            return sorted(s for s, t in self._tracks.items() if tier is None or tier in t.remaining)
-
-    def wait_tier(self, tier: str, timeout: float | None = None) -> bool:
-        """Wait until no pending step still needs `tier`."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not any(tier in t.remaining for t in self._tracks.values()), timeout)
-
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no step is pending and every queued item (retention, done callbacks)
         has run; from a done callback, the callbacks queued behind it are not waited for."""
         workers = [w for w in (self._stager, self._writer, self._uploader) if w is not None]
-        me = threading.current_thread()
 
         def idle() -> bool:
-            cb = self._callbacks  # may start while we wait
-            busy = cb is not None and cb.thread is not me and cb.unfinished > 0
+            busy = self._tracker.callbacks_busy()
             return not self._tracks and not busy and not any(w.unfinished for w in workers)
 
         with self._idle:
             return self._idle.wait_for(idle, timeout)
-
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the callback thread (started now if needed); after close, right here.
-        Never called with the pipeline's lock held."""
-        with self._lock:
-            worker = self._callback_worker(1)
-        if worker is None:
-            run_callback(fn)
-        else:
-            worker.put(fn, reserved=True)
-
-    def _callback_worker(self, n: int) -> Worker | None:
-        """The callback thread, with `n` items counted as queued; None after close. Call with
-        the lock held."""
-        if self._callbacks_stopped:
-            return None
-        if self._callbacks is None:
-            self._callbacks = Worker("tiercheck-callbacks", run_callback, self._idle)
-        self._callbacks.unfinished += n
-        return self._callbacks
-
-    def take_errors(self) -> list[TierError]:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        return errors
-
-    def error_seen(self, err: TierError) -> None:
-        """A handle raised `err` to the caller: it must not be raised again."""
-        with self._lock, contextlib.suppress(ValueError):
-            self._errors.remove(err)
 
     def close(self, timeout: float | None = None) -> None:
         with self._lock:
@@ -303,66 +254,12 @@ class Pipeline:
             if worker is not None:
                 worker.thread.join(timeout)
         # Last: the workers above may still have finished a step (and queued its callbacks).
-        with self._lock:
-            self._callbacks_stopped = True
-        if self._callbacks is not None:
-            self._callbacks.put(STOP)
-            if threading.current_thread() is not self._callbacks.thread:
-                self._callbacks.thread.join(timeout)
+        self._tracker.stop_callbacks(timeout)
         self._hasher.shutdown(wait=True)
         if self.fast is not None and not (self._writer is not None and self._writer.thread.is_alive()):
             self.fast.release_writer()  # never while a write may still be running
 
     # -- bookkeeping -----------------------------------------------------------------
-
-    def _finish(
-        self, step: int, tier: str, error: TiercheckError | None = None, handle: SaveHandle | None = None
-    ) -> None:
-        """Record `step`'s outcome on `tier`. With `handle`, only if that save still owns
-        the step: a save whose copy failed may have been retried with the same step since."""
-        if error is not None and self._group is not None and self._first_report(step, tier, handle):
-            try:  # tell the other ranks now, so they do not wait for us until the timeout
-                self._group.coord.abandon(step, tier, str(error))
-            except Exception as exc:
-                logger.warning("tiercheck: could not tell the other ranks that step %d failed: %r", step, exc)
-        with self._lock:
-            if error is not None:
-                self._pruner.failed(tier)
-            track = self._tracks.get(step)
-            if handle is not None and (track is None or track.handle is not handle):
-                handle._finish(tier, error)  # no longer in flight, or a retry owns the step now
-                return
-            if isinstance(error, TierError):
-                self._errors.append(error)
-            if error is None:
-                self.newest_durable[tier] = max(step, self.newest_durable.get(tier, step))
-            runs: list[Callable[[], None]] = []
-            if track is not None:
-                runs = track.handle._finish(tier, error)
-                track.remaining.discard(tier)
-                if not track.remaining:
-                    del self._tracks[step]
-                    emit(track.handle.stats)
-            # Counted as queued before the step stops counting as pending, so that `wait()`
-            # also waits for them; queued below, outside the lock the callbacks may need.
-            callbacks = self._callback_worker(len(runs)) if runs else None
-            self._idle.notify_all()
-        for run in runs:
-            if callbacks is None:
-                run_callback(run)
-            else:
-                callbacks.put(run, reserved=True)
-        if isinstance(error, TierError):
-            logger.error("%s", error)
-
-    def _first_report(self, step: int, tier: str, handle: SaveHandle | None = None) -> bool:
-        """True the first time this rank reports its outcome for `step` on `tier`."""
-        with self._lock:
-            track = self._tracks.get(step)
-            if track is None or tier in track.reported or (handle is not None and track.handle is not handle):
-                return False
-            track.reported.add(tier)
-            return True
 
     def _uploader_put(self, item: object) -> None:
         assert self._uploader is not None
@@ -417,12 +314,6 @@ class Pipeline:
         for name in item.handle.tiers:
             self._finish(item.step, name, error, handle=item.handle)
         self._pool.release(item.buffer)
-
-    def _report(self, error: TierError | None) -> None:
-        if error is not None:
-            with self._lock:
-                self._errors.append(error)
-            logger.error("%s", error)
 
     # -- tier-2 uploader -------------------------------------------------------------
 
