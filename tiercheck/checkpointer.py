@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .agreement import SaveRequests, restore_collective
+from .agreement import SaveRequests
 from .catalog import read_marker
 from .coordination import Group, join_group
 from .errors import (
@@ -34,7 +34,7 @@ from .pipeline import Pipeline, StagedSave
 from .placement import JobLayout, Placed, Placement, key_sizes, place, replicated_keys, split_state
 from .planner import ShardPlan, plan_shard
 from .progress import ProgressCallback
-from .restore import restore_from
+from .restore import restore_collective, restore_from
 from .retention import RetentionPolicy
 from .retry import RetryPolicy
 from .runlog import DEFAULT_INTERVAL, RunLog

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import layout
+from .agreement import RestoreAgreement
 from .catalog import (
     READ_CHUNK,
     ZstdFile,
@@ -625,3 +626,86 @@ def restore_from(
     if step is not None:
         raise error(f"step {step} cannot be restored: {detail}")
     raise error(f"no committed step could be restored ({len(candidates)} tried, newest first): {detail}")
+
+
+def restore_collective(
+    coord: RestoreAgreement,
+    local: Tier | None,
+    remote: Tier | None,
+    template: object,
+    step: int | None,
+    rank: int,
+    world_size: int,
+    strict: bool = True,
+    progress: ProgressCallback | None = None,
+) -> Restored | None:
+    """`restore_from` for one rank of a job: every rank calls it, and all restore the same
+    step, the newest that every rank can read (or exactly `step`).
+
+    Each rank reads its part from its tier 1 when its node has the step there, else from
+    tier 2; a rank whose copy fails verification tries the other tier, and if some rank
+    cannot read a step at all, every rank moves on to the next older candidate.
+    """
+    mine: list[int] = []
+    if local is not None:
+        try:
+            mine = local.committed_steps()
+        except OSError as exc:
+            warnings.warn(f"tiercheck: cannot list tier {local.name!r}: {exc!r}", RuntimeWarning, stacklevel=3)
+
+    def shared() -> list[int]:  # rank 0 only
+        if remote is None:
+            return []
+        try:
+            return remote.committed_steps()
+        except Exception as exc:  # tier 2 down: what every rank's tier 1 holds may still do
+            warnings.warn(f"tiercheck: cannot list tier {remote.name!r}: {exc!r}", RuntimeWarning, stacklevel=4)
+            return []
+
+    candidates = coord.agree_candidates(mine, shared, step)
+    if not candidates:
+        coord.finish_restore(0)
+        if step is not None:
+            raise NoCheckpointError(f"step {step} is not committed on every rank's tiers (rank {rank}: {mine})")
+        return None
+    failures: list[str] = []
+    tried = 0  # outcome rounds run: their keys are deleted at the end
+    try:
+        for i, s in enumerate(candidates):
+            tried = i + 1
+            tiers = [t for t in (local, remote) if t is not None and (t is not local or s in mine)]
+            produce: Producer | None = None
+            why = ""
+            for tier in tiers:
+                try:
+                    produce = prepare_step(tier, s, rank, template, strict, world_size, progress)
+                    break
+                except StateMismatchError as exc:  # the template is wrong: no older step helps
+                    coord.agree_outcome(i, False, str(exc), fatal=True)
+                    raise
+                except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
+                    why = f"step {s} on tier {tier.name!r}: {exc}"
+                    if tier is not tiers[-1]:
+                        msg = f"tiercheck: cannot restore {why}; trying the next tier"
+                        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            if not tiers:
+                why = f"step {s} is on no tier of rank {rank}"
+            everyone, first, stop = coord.agree_outcome(i, produce is not None, why)
+            if everyone:
+                assert produce is not None
+                return Restored(s, produce(), tuple(sorted(set(mine) | set(candidates))))
+            if stop:
+                raise StateMismatchError(f"restore of step {s} stopped: {first}")
+            failures.append(first)
+            if step is None:
+                warnings.warn(
+                    f"tiercheck: cannot restore step {s} on every rank ({first}); trying an older step",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    finally:
+        coord.finish_restore(tried)
+    detail = "; ".join(failures)
+    if step is not None:
+        raise CheckpointCorruptedError(f"step {step} cannot be restored on every rank: {detail}")
+    raise CheckpointCorruptedError(f"no step could be restored on every rank ({len(candidates)} tried): {detail}")
