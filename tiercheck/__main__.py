@@ -219,7 +219,7 @@ def _committed(tier: Tier, loc: str) -> list[int]:
     must not pass."""
     try:
         steps = tier.committed_steps()
-        strays = tier.stray_steps() if not steps else []
+        strays = tier.stray_steps() if not steps and tier.capabilities.strays else []
     except Exception as exc:
         cause = exc.__cause__ if isinstance(exc, TiercheckError) and exc.__cause__ is not None else exc
         raise _Failed(

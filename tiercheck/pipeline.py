@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import threading
 import time
 from collections import deque
@@ -71,6 +70,7 @@ from .retention import KeepAll, RetentionPolicy, plan_catch_up, plan_deletions, 
 from .staging import HostBuffer, HostBufferPool, StageProgress, StagingAborted, stage_into
 from .state import FlatState, JsonNode, Leaf
 from .tiers.base import StepWriter, Tier
+from .tiers.copy import copy_file, reader_of
 
 BACKLOG_POLICIES = ("newest", "all")
 
@@ -258,7 +258,7 @@ class Pipeline:
         """
         if self._writing:
             return
-        if self.local is not None:
+        if self.local is not None and self.local.capabilities.writer_lock:
             for path in self.local.claim_writer(rank, world_size):
                 logger.info("removed leftover %s from an interrupted save or deletion", path)
         self._writing = True
@@ -407,7 +407,11 @@ class Pipeline:
             if threading.current_thread() is not self._callbacks.thread:
                 self._callbacks.thread.join(timeout)
         self._hasher.shutdown(wait=True)
-        if self.local is not None and not (self._writer is not None and self._writer.thread.is_alive()):
+        if (
+            self.local is not None
+            and self.local.capabilities.writer_lock
+            and not (self._writer is not None and self._writer.thread.is_alive())
+        ):
             self.local.release_writer()  # never while a write may still be running
 
     # -- bookkeeping -----------------------------------------------------------------
@@ -780,11 +784,9 @@ class Pipeline:
             if moved is not None:  # replicated keys another rank uploads: left out, the rest packed
                 shard = manifest.files[0].name
                 manifest = moved.manifest
-                stored = [self._write_regions(writer, shard, _file_reader(src.path_of(step, shard)), moved)]
+                stored = [self._write_regions(writer, shard, reader_of(src, step, shard), moved)]
             else:
-                stored = [
-                    writer.write_from_path(f.name, src.path_of(step, f.name), compress=True) for f in manifest.files
-                ]
+                stored = [copy_file(src, step, f.name, writer, compress=True) for f in manifest.files]
             if dst.codec != "raw" or moved is not None:  # the tier-2 copy records its own shards
                 stored_as = [n if dst.codec != "raw" else None for n in stored]
                 files = tuple(
@@ -805,7 +807,8 @@ class Pipeline:
     # -- shared ------------------------------------------------------------------------
 
     def _write_staged(self, tier: Tier, job: StagedSave) -> None:
-        tier.check_space(job.step, job.plan.total_bytes)
+        if tier.capabilities.space_check:
+            tier.check_space(job.step, job.plan.total_bytes)
         shard = layout.shard_name(job.rank, job.world_size)
         futures: list[Future[str] | str] = []
         for leaf, off in zip(job.leaves, job.plan.offsets, strict=True):
@@ -996,7 +999,7 @@ class Pipeline:
         """Data a crash or a failed step left without a marker (a cut deletion or upload, the
         parts of a multi-rank step that did not commit), older than the newest committed step
         and not being written now: finish deleting it."""
-        for step in tier.stray_steps():
+        for step in tier.stray_steps() if tier.capabilities.strays else ():
             if step < newest and step not in protected:
                 tier.delete_step(step)
                 logger.info("removed unmarked leftovers of step %d from tier %s", step, tier.name)
@@ -1008,17 +1011,6 @@ def _run_callback(item: object) -> None:
         item()
     except Exception:  # the user's callback: say so, keep the thread for the next one
         logger.exception("tiercheck: a done callback raised")
-
-
-def _file_reader(path: str) -> Callable[[int, int], bytes]:
-    def read(offset: int, n: int) -> bytes:
-        with open(path, "rb") as f:
-            data = os.pread(f.fileno(), n, offset)
-        if len(data) != n:
-            raise EOFError(f"{path}: file ends before byte {offset + n}")
-        return data
-
-    return read
 
 
 def _part_may_commit(exc: BaseException) -> bool:
