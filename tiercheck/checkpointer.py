@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import signal
@@ -43,8 +44,7 @@ from .schedule import SavePolicy
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
 from .state import FlatState, flatten_state, metric_values
 from .tiers.base import Tier
-from .tiers.local import LocalTier
-from .tiers.remote import RemoteTier
+from .tiers.open import open_tier
 
 __all__ = ["Checkpointer"]
 
@@ -66,6 +66,10 @@ class Checkpointer:
             or a plain path, which is the local filesystem as ``file://`` is (created on demand).
             With `local`, each step committed on tier 1 is uploaded from the tier-1 files;
             alone, it is uploaded straight from the host buffer.
+            Either may instead be a `tiercheck.tiers.Tier` built beforehand (named "local" for
+            `local`, "remote" for `remote`): it is used as it is, with the options it was built
+            with, so the tier options below (and `storage_options` for tier 2) must then keep
+            their defaults.
         storage_options: fsspec options for the remote tier (credentials, ``endpoint_url``,
             client timeouts such as S3's ``config_kwargs``).
         keep_local: retention on tier 1: an int n (keep the n newest committed steps),
@@ -166,8 +170,8 @@ class Checkpointer:
 
     def __init__(
         self,
-        local: str | os.PathLike[str] | None = None,
-        remote: str | os.PathLike[str] | None = None,
+        local: str | os.PathLike[str] | Tier | None = None,
+        remote: str | os.PathLike[str] | Tier | None = None,
         storage_options: Mapping[str, Any] | None = None,
         keep_local: int | RetentionPolicy | None = 2,
         keep_remote: int | RetentionPolicy | None = None,
@@ -232,22 +236,19 @@ class Checkpointer:
         self._owners: tuple[tuple[object, ...], dict[object, int], dict[object, int]] | None = None
         keep_l = as_policy(keep_local, "keep_local")
         keep_r = as_policy(keep_remote, "keep_remote")
-        self._local = (
-            None if local is None else LocalTier(local, direct_io=direct_io, fsync=fsync, write_rate=local_write_rate)
-        )
-        self._remote = (
-            None
-            if remote is None
-            else RemoteTier(
-                remote,
-                _with_timeouts(os.fspath(remote), storage_options, remote_timeout),
-                retry=RetryPolicy(budget_s=remote_retry_budget),
-                op_timeout=remote_timeout,
-                write_rate=remote_write_rate,
-                compression=remote_compression,
-                concurrency=remote_concurrency,
-                block_size=remote_part_size,
-            )
+        self._local, self._remote = _make_tiers(
+            local,
+            remote,
+            storage_options,
+            direct_io=direct_io,
+            fsync=fsync,
+            local_write_rate=local_write_rate,
+            remote_write_rate=remote_write_rate,
+            remote_retry_budget=remote_retry_budget,
+            remote_timeout=remote_timeout,
+            remote_compression=remote_compression,
+            remote_concurrency=remote_concurrency,
+            remote_part_size=remote_part_size,
         )
         self._tiers: list[Tier] = [t for t in (self._local, self._remote) if t is not None]
         self.rank = rank
@@ -283,7 +284,7 @@ class Checkpointer:
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
         self._finalizer = weakref.finalize(
-            self, _finalize, self._pipeline, self._pool, os.fspath(local or remote or ""), self._runlog, self._pid
+            self, _finalize, self._pipeline, self._pool, self._tiers[0].location, self._runlog, self._pid
         )
 
     # -- context manager -------------------------------------------------------------
@@ -1100,6 +1101,54 @@ def _job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[in
             )
         store = found[2]
     return rank, world_size, store
+
+
+def _make_tiers(
+    local: str | os.PathLike[str] | Tier | None,
+    remote: str | os.PathLike[str] | Tier | None,
+    storage_options: Mapping[str, Any] | None,
+    **options: Any,
+) -> tuple[Tier | None, Tier | None]:
+    """Tier 1 and tier 2 from the constructor's arguments (`open_tier`). A `Tier` passed in
+    is used as it is: a tier option of the same role that differs from its default is an
+    InvalidArgumentError, since the tier keeps the options it was built with."""
+    defaults = inspect.signature(Checkpointer.__init__).parameters
+    local_opts = {"direct_io": "direct_io", "fsync": "fsync", "local_write_rate": "write_rate"}
+    remote_opts = {
+        "remote_write_rate": "write_rate",
+        "remote_compression": "compression",
+        "remote_concurrency": "concurrency",
+        "remote_part_size": "block_size",
+        "remote_timeout": "op_timeout",
+        "remote_retry_budget": "retry",
+    }
+
+    def chosen(names: dict[str, str]) -> list[str]:
+        return [n for n in names if options[n] != defaults[n].default]
+
+    def reject(tier: Tier, role: str, names: list[str]) -> None:
+        if names:
+            raise InvalidArgumentError(
+                f"{', '.join(names)} cannot be applied to the {type(tier).__name__} given as {role}=: a Tier "
+                "passed in keeps the options it was built with; set them when building it"
+            )
+
+    local_tier = remote_tier = None
+    if isinstance(local, Tier):
+        reject(local, "local", chosen(local_opts))
+        local_tier = open_tier(local, role="local")
+    elif local is not None:
+        local_tier = open_tier(local, role="local", **{local_opts[n]: options[n] for n in local_opts})
+    if isinstance(remote, Tier):
+        reject(remote, "remote", chosen(remote_opts) + (["storage_options"] if storage_options else []))
+        remote_tier = open_tier(remote, role="remote")
+    elif remote is not None:
+        timeout = options["remote_timeout"]
+        kwargs = {remote_opts[n]: options[n] for n in remote_opts}
+        kwargs["retry"] = RetryPolicy(budget_s=options["remote_retry_budget"])
+        opts = _with_timeouts(os.fspath(remote), storage_options, timeout)
+        remote_tier = open_tier(remote, role="remote", storage_options=opts, **kwargs)
+    return local_tier, remote_tier
 
 
 def _with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
