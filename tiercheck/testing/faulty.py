@@ -16,8 +16,9 @@ Operations, as rules name them: the tier's ``committed_steps``, ``stray_steps``,
 ``delete_step``, ``remove_leftovers``, ``claim_writer``; its writers' ``write_file``
 (every file written through a writer: shards and manifest, whichever of ``write_file``,
 ``write_chunks`` or ``write_from_path`` the pipeline uses), ``commit`` and ``publish_part``.
-``abort`` never fails: the contract says it never raises. A rule is checked at the start of
-each call, in the order rules were added; the first that matches acts.
+``abort`` never fails: the contract says it never raises. Rules are checked at the start of
+each call: every matching delay and block applies, in the order added, then the first
+matching failure.
 """
 
 from __future__ import annotations
@@ -146,24 +147,25 @@ class Faults:
             self._rules.append(rule)
 
     def check(self, call: Call) -> _Rule | None:
-        """Apply the first rule matching `call`: sleep, wait or raise. Returns a rule whose
+        """Apply the rules matching `call`: sleep and wait, then raise. Returns a rule whose
         error comes after `after_bytes` bytes (the caller writes them, then raises)."""
         with self._lock:
             self.log.append((call.op, call.step, call.name))
-            rule = next((r for r in self._rules if r.matches(call)), None)
-            if rule is not None and rule.times is not None:
-                rule.times -= 1
-        if rule is None:
+            waits = [r for r in self._rules if r.error is None and r.matches(call)]
+            failure = next((r for r in self._rules if r.error is not None and r.matches(call)), None)
+            for r in [*waits, failure]:
+                if r is not None and r.times is not None:
+                    r.times -= 1
+        for rule in waits:
+            if rule.seconds:
+                time.sleep(rule.seconds)
+            if rule.gate is not None and not rule.gate.wait(rule.gate_timeout):
+                raise TimeoutError(f"injected: {call.op} of step {call.step} blocked past {rule.gate_timeout}s")
+        if failure is None:
             return None
-        if rule.seconds:
-            time.sleep(rule.seconds)
-        if rule.gate is not None and not rule.gate.wait(rule.gate_timeout):
-            raise TimeoutError(f"injected: {call.op} of step {call.step} blocked past {rule.gate_timeout}s")
-        if rule.error is None:
-            return None
-        if rule.after_bytes is not None and call.op == "write_file":
-            return rule
-        raise error_for(rule, call)
+        if failure.after_bytes is not None and call.op == "write_file":
+            return failure
+        raise error_for(failure, call)
 
 
 def error_for(rule: _Rule, call: Call) -> BaseException:
