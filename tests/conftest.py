@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 import tiercheck
-from tiercheck.tiers.local import LocalTier
+from tiercheck.testing import Faults, FaultyTier
+from tiercheck.tiers import open_tier
 
 pytest_plugins = ["tests.servers.plugin"]
 
@@ -23,13 +24,33 @@ def ckpt_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def make_ckpt(ckpt_dir: Path) -> Iterator[Callable[..., tiercheck.Checkpointer]]:
+def tier_faults() -> Faults:
+    """Faults injected into tier 1: `make_ckpt` wraps its local tier in a `FaultyTier` with
+    these rules when a test asks for this fixture (directly, or through `write_gate` or
+    `fail_step`); a test that builds its own Checkpointer passes ``faulty_local(path, tier_faults)``."""
+    return Faults()
+
+
+def faulty_local(path: str | os.PathLike[str], faults: Faults, **options: Any) -> FaultyTier:
+    """A local tier at `path` (with LocalTier `options`) whose operations obey `faults`."""
+    return FaultyTier(open_tier(path, role="local", **options), faults)
+
+
+_LOCAL_OPTIONS = {"direct_io": "direct_io", "fsync": "fsync", "local_write_rate": "write_rate"}
+
+
+@pytest.fixture
+def make_ckpt(ckpt_dir: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., tiercheck.Checkpointer]]:
     """`make_ckpt(**kwargs)`: a Checkpointer on `ckpt_dir` (keep_local=None unless given)."""
     made: list[tiercheck.Checkpointer] = []
+    faults = request.getfixturevalue("tier_faults") if "tier_faults" in request.fixturenames else None
 
     def make(**kwargs: Any) -> tiercheck.Checkpointer:
         kwargs.setdefault("local", ckpt_dir)
         kwargs.setdefault("keep_local", None)
+        if faults is not None and kwargs["local"] is not None:
+            options = {v: kwargs.pop(k) for k, v in _LOCAL_OPTIONS.items() if k in kwargs}
+            kwargs["local"] = faulty_local(kwargs["local"], faults, **options)
         c = tiercheck.Checkpointer(**kwargs)
         made.append(c)
         return c
@@ -42,17 +63,10 @@ def make_ckpt(ckpt_dir: Path) -> Iterator[Callable[..., tiercheck.Checkpointer]]
 
 
 @pytest.fixture
-def write_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """Background writes block until the returned event is set (keeps a step in flight)."""
+def write_gate(tier_faults: Faults) -> Iterator[threading.Event]:
+    """Tier-1 file writes block until the returned event is set (keeps a step in flight)."""
     gate = threading.Event()
-    original = LocalTier.write_file
-
-    def gated(self: LocalTier, path: str, data: memoryview, aligned: bool, *args: Any) -> None:
-        if not gate.wait(timeout=20):
-            raise TimeoutError("test write gate was never opened")
-        original(self, path, data, aligned, *args)
-
-    monkeypatch.setattr(LocalTier, "write_file", gated)
+    tier_faults.block("write_file", gate, timeout=20)
     yield gate
     gate.set()
 

@@ -15,7 +15,7 @@ import torch
 
 import tiercheck
 from tiercheck import layout
-from tiercheck.tiers.local import LocalTier
+from tiercheck.testing import Faults
 
 
 def small(step: int) -> dict[str, Any]:
@@ -34,17 +34,14 @@ def no_temp_dirs(root: Path) -> bool:
 
 
 @pytest.fixture
-def fail_step(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+def fail_step(tier_faults: Faults) -> set[int]:
     """Steps in the returned set fail their shard write with ENOSPC (fault injection)."""
     failing: set[int] = set()
-    original = LocalTier.write_file
-
-    def write_file(self: LocalTier, path: str, data: memoryview, aligned: bool, *args: Any) -> None:
-        if any(layout.step_dir_name(s) + "-" in path for s in failing):
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
-        original(self, path, data, aligned, *args)
-
-    monkeypatch.setattr(LocalTier, "write_file", write_file)
+    tier_faults.fail(
+        "write_file",
+        lambda call: OSError(errno.ENOSPC, "No space left on device (injected)", call.path),
+        when=lambda call: call.step in failing,
+    )
     return failing
 
 

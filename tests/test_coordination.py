@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import tiercheck
 from tiercheck.coordination import Coordinator, PartReport
-from tiercheck.store import ranges as _ranges
 from tiercheck.errors import CoordinationError
+from tiercheck.store import ranges as _ranges
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 import tiercheck
+from tiercheck.testing import FaultyTier
+from tiercheck.tiers.local import LocalTier
 
 
 def test_drain_reports_what_is_durable_where(tmp_path: Path) -> None:
@@ -26,8 +28,8 @@ def test_drain_reports_what_is_durable_where(tmp_path: Path) -> None:
         assert ckpt.steps("remote")[-1] == 2
 
 
-def test_drain_returns_at_the_deadline_and_reports_pending(tmp_path: Path, write_gate) -> None:
-    with tiercheck.Checkpointer(local=tmp_path) as ckpt:
+def test_drain_returns_at_the_deadline_and_reports_pending(tmp_path: Path, write_gate, tier_faults) -> None:
+    with tiercheck.Checkpointer(local=FaultyTier(LocalTier(tmp_path), tier_faults)) as ckpt:
         ckpt.save(1, {"x": torch.ones(10)})  # the gate holds the write
         t0 = time.monotonic()
         report = ckpt.drain(timeout=0.3)

@@ -37,6 +37,8 @@ LAYERS: list[set[str]] = [
         "tiers.local",
         "tiers.remote",
         "tiers.multipart",
+        "tiers.open",
+        "tiers.copy",
         "throttle",
         "retry",
         "priority",

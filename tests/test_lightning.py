@@ -20,6 +20,8 @@ import tiercheck  # noqa: E402
 from tests.lightning_worker import Net, fit, weights_digest  # noqa: E402
 from tiercheck import layout  # noqa: E402
 from tiercheck.integrations.lightning import TiercheckIO, pointers_in, read_pointer  # noqa: E402
+from tiercheck.testing import Faults, FaultyTier  # noqa: E402
+from tiercheck.tiers.local import LocalTier  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("lightning_worker.py"))
 ModelCheckpoint = pl.callbacks.ModelCheckpoint
@@ -143,9 +145,9 @@ def test_resume_from_an_explicit_older_path_starts_a_new_branch(tmp_path: Path) 
 
 
 def test_removing_a_step_still_being_written_deletes_it_once_durable(
-    tmp_path: Path, write_gate: threading.Event
+    tmp_path: Path, write_gate: threading.Event, tier_faults: Faults
 ) -> None:
-    io = TiercheckIO(local=tmp_path)
+    io = TiercheckIO(local=FaultyTier(LocalTier(tmp_path), tier_faults))
     state = {"global_step": 5, "state_dict": {"w": torch.ones(3)}}
     io.save_checkpoint(state, tmp_path / "a.ckpt")
     assert not (tmp_path / "a.ckpt").exists()  # no pointer before the step is committed

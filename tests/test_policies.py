@@ -25,6 +25,9 @@ from tests.multirank_worker import digest
 from tiercheck import Every, KeepBest, KeepEvery, KeepLast, layout
 from tiercheck.retention import KeepAll, best_steps, plan_deletions
 from tiercheck.schedule import AnyDue
+from tiercheck.testing import Faults as TierFaults
+from tiercheck.testing import FaultyTier
+from tiercheck.tiers.local import LocalTier
 
 WORKER = str(Path(__file__).with_name("multirank_worker.py"))
 
@@ -250,8 +253,8 @@ def test_delete_may_remove_the_newest_step_and_saving_goes_on(tmp_path: Path) ->
         assert ckpt.steps() == [1, 3]
 
 
-def test_delete_refuses_a_step_in_flight(tmp_path: Path, write_gate: threading.Event) -> None:
-    with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
+def test_delete_refuses_a_step_in_flight(tmp_path: Path, write_gate: threading.Event, tier_faults: TierFaults) -> None:
+    with tiercheck.Checkpointer(local=FaultyTier(LocalTier(tmp_path), tier_faults), keep_local=None) as ckpt:
         handle = ckpt.save(7, {"w": torch.ones(4)})
         with pytest.raises(tiercheck.StepInFlightError) as info:
             ckpt.delete(7)

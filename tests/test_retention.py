@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -108,14 +107,8 @@ def test_keep_local_2_leaves_the_last_two_steps(make_ckpt, ckpt_dir):
     assert tiercheck.load(ckpt_dir)["step"] == 6
 
 
-def test_wait_returns_only_after_retention_ran(make_ckpt, ckpt_dir, monkeypatch):
-    original = LocalTier.delete_step
-
-    def slow_delete(self: LocalTier, step: int) -> None:
-        time.sleep(0.3)  # widens the window between durable and pruned
-        original(self, step)
-
-    monkeypatch.setattr(LocalTier, "delete_step", slow_delete)
+def test_wait_returns_only_after_retention_ran(make_ckpt, ckpt_dir, tier_faults):
+    tier_faults.delay("delete_step", 0.3)  # widens the window between durable and pruned
     ckpt = make_ckpt(keep_local=1)
     save_steps(ckpt, [1, 2])  # ends with wait()
     assert step_dirs(ckpt_dir) == [layout.step_dir_name(2)]

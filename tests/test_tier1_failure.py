@@ -13,20 +13,16 @@ import torch
 
 import tiercheck
 from tiercheck import layout
+from tiercheck.testing import FaultyTier
 from tiercheck.tiers.local import LocalTier
 
 
-def test_a_step_that_fails_on_tier1_is_uploaded_from_host_memory(tmp_path: Path, monkeypatch) -> None:
-    original = LocalTier.write_file
-
-    def full_disk(self: LocalTier, path: str, data: memoryview, aligned: bool, *args: object) -> None:
-        if layout.step_dir_name(2) + "-" in path:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
-        original(self, path, data, aligned, *args)
-
-    monkeypatch.setattr(LocalTier, "write_file", full_disk)
+def test_a_step_that_fails_on_tier1_is_uploaded_from_host_memory(tmp_path: Path) -> None:
+    local = FaultyTier(LocalTier(tmp_path))
+    full_disk = OSError(errno.ENOSPC, "No space left on device (injected)")
+    local.faults.fail("write_file", lambda call: OSError(*full_disk.args, call.path), steps={2})
     remote = f"memory://t1fail-{uuid.uuid4().hex}"
-    with tiercheck.Checkpointer(local=tmp_path, remote=remote, keep_local=None) as ckpt:
+    with tiercheck.Checkpointer(local=local, remote=remote, keep_local=None) as ckpt:
         ckpt.save(1, {"x": torch.full((64,), 1.0)}).wait()
         h = ckpt.save(2, {"x": torch.full((64,), 2.0)})
         with pytest.raises(tiercheck.TierError) as info:

@@ -34,8 +34,7 @@ from .options import with_timeouts as _with_timeouts
 from .progress import part_of, terminal_bar
 from .retry import RetryPolicy
 from .tiers.base import Tier
-from .tiers.local import LocalTier
-from .tiers.remote import RemoteTier
+from .tiers.open import open_tier
 from .tools import cli as tools_cli
 
 BENCH_ENV = "TIERCHECK_BENCH_SCRIPT"
@@ -202,11 +201,11 @@ def _open_tier(loc: str, options: dict[str, Any], timeout: float) -> Tier:
             raise _Failed("no such directory", os.path.abspath(loc), "check the path (a tier root, as given to local=)")
         if not os.path.isdir(loc):
             raise _Failed("not a directory", os.path.abspath(loc), "give a tier root directory, as given to local=")
-        return LocalTier(loc)
+        return open_tier(loc)
     try:
-        return RemoteTier(
+        return open_tier(
             loc,
-            _with_timeouts(loc, options, timeout),
+            storage_options=_with_timeouts(loc, options, timeout),
             retry=RetryPolicy(budget_s=timeout, initial_s=0.25, max_s=2.0),
             op_timeout=timeout,
         )
@@ -219,7 +218,7 @@ def _committed(tier: Tier, loc: str) -> list[int]:
     must not pass."""
     try:
         steps = tier.committed_steps()
-        strays = tier.stray_steps() if not steps else []
+        strays = tier.stray_steps() if not steps and tier.capabilities.strays else []
     except Exception as exc:
         cause = exc.__cause__ if isinstance(exc, TiercheckError) and exc.__cause__ is not None else exc
         raise _Failed(

@@ -10,12 +10,11 @@ from .errors import NoCheckpointError
 from .progress import ProgressCallback
 from .restore import restore_from
 from .tiers.base import Tier
-from .tiers.local import LocalTier
-from .tiers.remote import RemoteTier
+from .tiers.open import open_tier
 
 
 def load(
-    location: str | os.PathLike[str],
+    location: str | os.PathLike[str] | Tier,
     step: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     rank: int = 0,
@@ -28,7 +27,8 @@ def load(
     saved through `state_dict()` as their state dicts.
 
     Args:
-        location: a tier root: a local directory or an fsspec URL.
+        location: a tier root: a local directory or an fsspec URL; or a `Tier`, read as it
+            is (then without `storage_options`).
         step: the step to read; the newest committed one if None.
         storage_options: fsspec options for a URL (unused for directories).
         rank: which rank's part to read.
@@ -38,29 +38,32 @@ def load(
     Raises:
         NoCheckpointError: nothing committed at `location` (or not `step`).
         CheckpointCorruptedError: the step fails verification.
+        InvalidArgumentError: a `Tier` given together with `storage_options`.
 
     Example:
         >>> sd = tiercheck.load("ckpt/run7")          # doctest: +SKIP
         >>> model.load_state_dict(sd["model"])        # doctest: +SKIP
     """
-    loc = os.fspath(location)
-    tier: Tier = LocalTier(loc) if "://" not in loc else RemoteTier(loc, storage_options)
+    tier = open_tier(location, storage_options=storage_options)
     found = restore_from([tier], None, step, rank, strict=False, progress=progress)
     if found is None:
-        raise NoCheckpointError(f"no committed checkpoint at {loc}")
+        raise NoCheckpointError(f"no committed checkpoint at {tier.location}")
     result = found.value
     assert isinstance(result, dict)
     return result
 
 
 def read_tiers(
-    local: str | os.PathLike[str] | None, remote: str | None, storage_options: Mapping[str, Any] | None = None
+    local: str | os.PathLike[str] | Tier | None,
+    remote: str | os.PathLike[str] | Tier | None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[Tier]:
     """Tiers to read from (fastest first), as a `Checkpointer` with these options has them,
     without starting anything: for readers on ranks or processes that never save."""
     tiers: list[Tier] = []
     if local is not None:
-        tiers.append(LocalTier(local))
+        tiers.append(open_tier(local, role="local"))
     if remote is not None:
-        tiers.append(RemoteTier(remote, storage_options))
+        options = None if isinstance(remote, Tier) else storage_options
+        tiers.append(open_tier(remote, role="remote", storage_options=options))
     return tiers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import threading
@@ -29,22 +30,19 @@ from .errors import (
 )
 from .events import logger
 from .handle import DrainReport, SaveHandle, WaitTimeoutError
-from .options import Options, with_timeouts
+from .options import Options, open_tiers
 from .pipeline import Pipeline, StagedSave
 from .placement import JobLayout, Placed, Placement, key_sizes, place, replicated_keys, split_state
 from .planner import ShardPlan, plan_shard
 from .progress import ProgressCallback
 from .restore import restore_collective, restore_from
 from .retention import RetentionPolicy
-from .retry import RetryPolicy
 from .runlog import DEFAULT_INTERVAL, RunLog
 from .schedule import SavePolicy
 from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
 from .state import FlatState, flatten_state, metric_values
 from .steporder import Proceed, claim
 from .tiers.base import Tier
-from .tiers.local import LocalTier
-from .tiers.remote import RemoteTier
 from .trigger import SaveTrigger, SigtermState, sigterm_handler
 
 __all__ = ["Checkpointer"]
@@ -66,6 +64,10 @@ class Checkpointer:
             or a plain path, which is the local filesystem as ``file://`` is (created on demand).
             With `local`, each step committed on tier 1 is uploaded from the tier-1 files;
             alone, it is uploaded straight from the host buffer.
+            Either may instead be a `tiercheck.tiers.Tier` built beforehand (named "local" for
+            `local`, "remote" for `remote`): it is used as it is, with the options it was built
+            with, so the tier options below (and `storage_options` for tier 2) must then keep
+            their defaults.
         storage_options: fsspec options for the remote tier (credentials, ``endpoint_url``,
             client timeouts such as S3's ``config_kwargs``).
         keep_local: retention on tier 1: an int n (keep the n newest committed steps),
@@ -166,8 +168,8 @@ class Checkpointer:
 
     def __init__(
         self,
-        local: str | os.PathLike[str] | None = None,
-        remote: str | os.PathLike[str] | None = None,
+        local: str | os.PathLike[str] | Tier | None = None,
+        remote: str | os.PathLike[str] | Tier | None = None,
         storage_options: Mapping[str, Any] | None = None,
         keep_local: int | RetentionPolicy | None = 2,
         keep_remote: int | RetentionPolicy | None = None,
@@ -197,23 +199,7 @@ class Checkpointer:
     ) -> None:
         opts = Options.validate(**{k: v for k, v in locals().items() if k != "self"})
         self._options = opts
-        self._local = (
-            None if local is None else LocalTier(local, direct_io=direct_io, fsync=fsync, write_rate=local_write_rate)
-        )
-        self._remote = (
-            None
-            if remote is None
-            else RemoteTier(
-                remote,
-                with_timeouts(os.fspath(remote), storage_options, remote_timeout),
-                retry=RetryPolicy(budget_s=remote_retry_budget),
-                op_timeout=remote_timeout,
-                write_rate=remote_write_rate,
-                compression=remote_compression,
-                concurrency=remote_concurrency,
-                block_size=remote_part_size,
-            )
-        )
+        self._local, self._remote = open_tiers(opts, _TIER_DEFAULTS)
         self._tiers: list[Tier] = [t for t in (self._local, self._remote) if t is not None]
         self.rank = opts.rank
         self.world_size = opts.world_size
@@ -259,7 +245,7 @@ class Checkpointer:
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
         self._finalizer = weakref.finalize(
-            self, _finalize, self._pipeline, self._pool, os.fspath(local or remote or ""), self._runlog, self._pid
+            self, _finalize, self._pipeline, self._pool, self._tiers[0].location, self._runlog, self._pid
         )
 
     # -- context manager -------------------------------------------------------------
@@ -950,3 +936,8 @@ def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str, runlog: RunL
     pipeline.wait_idle(timeout=60)
     pipeline.close(timeout=10)
     pool.clear()
+
+
+_TIER_DEFAULTS = {
+    name: p.default for name, p in inspect.signature(Checkpointer.__init__).parameters.items() if name != "self"
+}

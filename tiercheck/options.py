@@ -18,11 +18,13 @@ from .checksum import ALGORITHMS
 from .errors import InvalidArgumentError
 from .placement import normalize_replicated
 from .retention import RetentionPolicy, as_policy
+from .retry import RetryPolicy
 from .schedule import SavePolicy
 from .store import from_process_group
 from .tiers.base import Tier
+from .tiers.open import open_tier
 
-__all__ = ["BACKLOG_POLICIES", "Options", "job_place"]
+__all__ = ["BACKLOG_POLICIES", "Options", "job_place", "open_tiers", "with_timeouts"]
 
 BACKLOG_POLICIES = ("newest", "all")
 
@@ -144,3 +146,42 @@ def with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) -
     return opts
 
 
+def open_tiers(opts: Options, defaults: Mapping[str, Any]) -> tuple[Tier | None, Tier | None]:
+    """Tier 1 and tier 2 from the options (`open_tier`). A `Tier` passed in is used as it
+    is: a tier option of the same role that differs from its default (`defaults`, by
+    argument name) is an InvalidArgumentError, since the tier keeps the options it was
+    built with."""
+    local_opts = {"direct_io": "direct_io", "fsync": "fsync", "local_write_rate": "write_rate"}
+    remote_opts = {
+        "remote_write_rate": "write_rate",
+        "remote_compression": "compression",
+        "remote_concurrency": "concurrency",
+        "remote_part_size": "block_size",
+        "remote_timeout": "op_timeout",
+        "remote_retry_budget": "retry",
+    }
+    given = {name: getattr(opts, name) for name in (*local_opts, *remote_opts)}
+
+    def reject(tier: Tier, role: str, names: list[str]) -> None:
+        if names:
+            raise InvalidArgumentError(
+                f"{', '.join(names)} cannot be applied to the {type(tier).__name__} given as {role}=: a Tier "
+                "passed in keeps the options it was built with; set them when building it"
+            )
+
+    local_tier = remote_tier = None
+    if isinstance(opts.local, Tier):
+        reject(opts.local, "local", [n for n in local_opts if given[n] != defaults[n]])
+        local_tier = open_tier(opts.local, role="local")
+    elif opts.local is not None:
+        local_tier = open_tier(opts.local, role="local", **{local_opts[n]: given[n] for n in local_opts})
+    if isinstance(opts.remote, Tier):
+        changed = [n for n in remote_opts if given[n] != defaults[n]]
+        reject(opts.remote, "remote", changed + (["storage_options"] if opts.storage_options else []))
+        remote_tier = open_tier(opts.remote, role="remote")
+    elif opts.remote is not None:
+        kwargs = {remote_opts[n]: given[n] for n in remote_opts}
+        kwargs["retry"] = RetryPolicy(budget_s=opts.remote_retry_budget)
+        storage = with_timeouts(os.fspath(opts.remote), opts.storage_options, opts.remote_timeout)
+        remote_tier = open_tier(opts.remote, role="remote", storage_options=storage, **kwargs)
+    return local_tier, remote_tier

@@ -158,7 +158,7 @@ class Pipeline:
         """
         if self._writing:
             return
-        if self.fast is not None:
+        if self.fast is not None and self.fast.capabilities.writer_lock:
             for path in self.fast.claim_writer(rank, world_size):
                 logger.info("removed leftover %s from an interrupted save or deletion", path)
         self._writing = True
@@ -256,7 +256,11 @@ class Pipeline:
         # Last: the workers above may still have finished a step (and queued its callbacks).
         self._tracker.stop_callbacks(timeout)
         self._hasher.shutdown(wait=True)
-        if self.fast is not None and not (self._writer is not None and self._writer.thread.is_alive()):
+        if (
+            self.fast is not None
+            and self.fast.capabilities.writer_lock
+            and not (self._writer is not None and self._writer.thread.is_alive())
+        ):
             self.fast.release_writer()  # never while a write may still be running
 
     # -- bookkeeping -----------------------------------------------------------------

@@ -163,7 +163,7 @@ class Pruner:
         """Data a crash or a failed step left without a marker (a cut deletion or upload, the
         parts of a multi-rank step that did not commit), older than the newest committed step
         and not being written now: finish deleting it."""
-        for step in tier.stray_steps():
+        for step in tier.stray_steps() if tier.capabilities.strays else ():
             if step < newest and step not in protected:
                 tier.delete_step(step)
                 logger.info("removed unmarked leftovers of step %d from tier %s", step, tier.name)

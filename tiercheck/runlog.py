@@ -51,7 +51,6 @@ from .events import logger
 from .goodput import SCHEMA_VERSION
 from .handle import DrainReport, SaveHandle
 from .tiers.base import Tier
-from .tiers.local import LocalTier
 from .tiers.remote import RemoteTier
 
 __all__ = ["DEFAULT_INTERVAL", "RunLog", "read_records"]
@@ -198,8 +197,8 @@ class RunLog:
         self._sink: _LocalSink | _RemoteSink | None = None
         self._where = ""
         if self.enabled:
-            if isinstance(local, LocalTier):
-                self._sink = _LocalSink(local.root, rank, self.session)
+            if local is not None and local.capabilities.local_files:
+                self._sink = _LocalSink(local.local_dir(), rank, self.session)
                 self._where = self._sink.path
             elif isinstance(remote, RemoteTier) and submit_remote is not None:
                 sink = _RemoteSink(remote, rank, self.session, submit_remote)

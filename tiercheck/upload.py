@@ -8,7 +8,6 @@ the commit marker last.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from .catalog import present_manifests, read_manifest_with_bytes, read_marker, verify_files
@@ -19,9 +18,10 @@ from .manifest import ManifestRef, Marker, assignment_digest, encode_manifest
 from .retarget import Key, balance, replicated_sizes, retarget
 from .stepdoc import stored_as
 from .tiers.base import Tier
+from .tiers.copy import copy_file, reader_of
 from .writestep import write_regions
 
-__all__ = ["copy_from_local", "file_reader", "uploaders_of"]
+__all__ = ["copy_from_local", "uploaders_of"]
 
 
 def copy_from_local(
@@ -46,9 +46,9 @@ def copy_from_local(
         if moved is not None:
             shard = manifest.files[0].name
             manifest = moved.manifest
-            stored = [write_regions(writer, shard, file_reader(src.path_of(step, shard)), moved)]
+            stored = [write_regions(writer, shard, reader_of(src, step, shard), moved)]
         else:
-            stored = [writer.write_from_path(f.name, src.path_of(step, f.name), compress=True) for f in manifest.files]
+            stored = [copy_file(src, step, f.name, writer, compress=True) for f in manifest.files]
         if dst.codec != "raw" or moved is not None:  # the tier-2 copy records its own shards
             manifest_bytes = encode_manifest(stored_as(manifest, dst.codec, stored))
             digest = checksum_function(marker.checksum_algorithm)(manifest_bytes)
@@ -74,18 +74,3 @@ def uploaders_of(local: Tier, step: int, group: Group) -> dict[Key, int]:
     if set(sizes) != set(keys):
         raise ValueError(f"step {step}: this directory does not hold every replicated key")
     return balance(keys, sizes, group.first_members, lambda k: repr(list(k)))
-
-
-def file_reader(path: str) -> Callable[[int, int], bytes]:
-    """`read(offset, n)` over a local file, each call a `pread` of exactly `n` bytes."""
-
-    def read(offset: int, n: int) -> bytes:
-        with open(path, "rb") as f:
-            data = os.pread(f.fileno(), n, offset)
-        if len(data) != n:
-            raise EOFError(f"{path}: file ends before byte {offset + n}")
-        return data
-
-    return read
-
-

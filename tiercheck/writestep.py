@@ -66,7 +66,8 @@ def write_staged(
     on who holds each replicated key (not on a node-local tier 1, where each directory holds
     its own copies). `reported` runs once this rank's part is published in a job.
     """
-    tier.check_space(job.step, job.plan.total_bytes)
+    if tier.capabilities.space_check:
+        tier.check_space(job.step, job.plan.total_bytes)
     checksum = checksum_function(checksum_algorithm)
     futures: list[Future[str] | None] = [
         None if leaf.alias_of is not None else hasher.submit(_leaf_checksum, job, checksum, off, leaf.nbytes)

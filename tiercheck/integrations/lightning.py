@@ -60,6 +60,7 @@ from ..errors import InvalidArgumentError, NoCheckpointError, StepConflictError,
 from ..handle import SaveHandle
 from ..restore import restore_from
 from ..retention import RetentionPolicy
+from ..tiers.base import Tier
 from ..tiers.local import fsync_dir
 
 __all__ = ["POINTER_FORMAT", "TiercheckIO", "read_pointer"]
@@ -170,8 +171,8 @@ class _TiercheckIOImpl:
 
     def __init__(
         self,
-        local: str | os.PathLike[str] | None = None,
-        remote: str | None = None,
+        local: str | os.PathLike[str] | Tier | None = None,
+        remote: str | Tier | None = None,
         storage_options: Mapping[str, Any] | None = None,
         keep_local: int | RetentionPolicy | None = None,
         keep_remote: int | RetentionPolicy | None = None,
@@ -184,7 +185,7 @@ class _TiercheckIOImpl:
                 raise InvalidArgumentError(
                     f"TiercheckIO sets {fixed}= itself: Lightning saves the whole checkpoint from global rank 0"
                 )
-        self._local = None if local is None else os.fspath(local)
+        self._local = None if local is None else local if isinstance(local, Tier) else os.fspath(local)
         self._remote = remote
         self._storage_options = dict(storage_options or {})
         self._keep = (keep_local, keep_remote)
@@ -449,7 +450,7 @@ class _TiercheckIOImpl:
         )
 
     def _where(self) -> str:
-        return ", ".join(x for x in (self._local, self._remote) if x)
+        return ", ".join(x if isinstance(x, str) else x.location for x in (self._local, self._remote) if x)
 
 
 def _name_last_checkpoint(checkpoint: dict[str, Any], path: str) -> None:

@@ -21,6 +21,16 @@ In a multi-rank job, every rank writes its own files and calls ``w.publish_part(
 instead of `commit`: the part is then durable under the step's name, still without a
 marker. Once every rank's part is there, one rank per directory calls
 ``tier.write_marker(step, marker_bytes)``.
+
+Optional capabilities are declared in `Tier.capabilities` (a `Capabilities` value), never
+guessed from a method that silently does nothing: a caller checks the flag before it calls
+`check_space`, `stray_steps`, `claim_writer`/`release_writer`, `local_dir` or `local_file`,
+and the base class raises `NotImplementedError` for a capability the tier does not declare.
+`path_of` is for messages only; `local_file` is the one path that may be opened.
+
+A new tier subclasses `Tier` and `StepWriter` in one module, declares its capabilities,
+and passes the conformance suite `tiercheck.testing.conformance` (see docs/design.md,
+"Tiers"); `tiercheck.testing.memtier` is a complete example in one file.
 """
 
 from __future__ import annotations
@@ -28,6 +38,38 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a tier can do beyond the required methods; callers check these flags.
+
+    Attributes:
+        space_check: `check_space` tells whether a step fits (a filesystem with statvfs).
+            Without it every write is attempted and a full store fails the write itself.
+        strays: `stray_steps` lists step names that hold data but no marker (a cut upload or
+            deletion, or the parts of a multi-rank step that never committed), so retention
+            can finish deleting them. Without it such data stays, invisible.
+        writer_lock: `claim_writer`/`release_writer` make one process the writer of a rank's
+            part of the tier and sweep that writer's leftovers. Without it two writers of one
+            root are not detected (object stores), and a tier must leave no leftovers.
+        local_files: the tier is a directory of this machine's filesystem: `local_dir()` is
+            its root and `local_file(step, name)` the real path of a committed step's file,
+            which the uploader reads from directly (else it reads through `open_file`).
+    """
+
+    space_check: bool = False
+    strays: bool = False
+    writer_lock: bool = False
+    local_files: bool = False
+
+
+def _undeclared(tier: Tier, method: str, flag: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"tier {tier.name!r} ({type(tier).__name__}) has no {method}(): it does not declare "
+        f"capabilities.{flag}; check the flag before calling"
+    )
 
 
 class StepWriter(ABC):
@@ -82,10 +124,11 @@ class StepWriter(ABC):
     def commit(self, marker: bytes) -> None:
         """Write the commit marker last and make the step visible; durable on return."""
 
+    @abstractmethod
     def publish_part(self) -> None:
         """Multi-rank: make this rank's files durable under the step's final name, without
-        a marker (object stores: they are already there)."""
-        return None
+        a marker. A store that writes files in place (object stores) has nothing left to do
+        and says so in its implementation."""
 
     @abstractmethod
     def abort(self) -> None:
@@ -108,9 +151,10 @@ class ReadableFile(ABC):
 class Tier(ABC):
     """A store of committed steps under one root."""
 
-    name: str  # "local" or "remote"
+    name: str  # "local" or "remote": the role it plays in a Checkpointer
     location: str  # the root, as the user gave it
     codec: str = "raw"  # how shard files written with compress=True are stored
+    capabilities: Capabilities = Capabilities()  # the optional methods it implements
 
     @abstractmethod
     def committed_steps(self) -> list[int]:
@@ -118,13 +162,14 @@ class Tier(ABC):
 
     def stray_steps(self) -> list[int]:
         """Step names holding data but no commit marker: a deletion or an upload that a
-        crash cut short. Tiers that never leave them (the local tier renames) return []."""
-        return []
+        crash cut short, the parts of a multi-rank step that never committed. Capability
+        `strays`."""
+        raise _undeclared(self, "stray_steps", "strays")
 
     def check_space(self, step: int, nbytes: int) -> None:
-        """Raise OSError(ENOSPC) naming the shortfall if `nbytes` cannot fit; tiers that
-        cannot tell (object stores) accept everything."""
-        return None
+        """Raise OSError(ENOSPC) naming the shortfall if `nbytes` cannot fit. Capability
+        `space_check`."""
+        raise _undeclared(self, "check_space", "space_check")
 
     @abstractmethod
     def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
@@ -156,14 +201,22 @@ class Tier(ABC):
         """Become the one writer of `rank`'s part of this tier until `release_writer()` or the
         end of the process, then remove the leftovers that writer owns; return their paths.
         Called before a session first writes; reading never calls it. Raises
-        DirectoryInUseError when another live writer holds it. Tiers that cannot lock
-        (object stores) and hold no leftovers return []."""
-        return []
+        DirectoryInUseError when another live writer holds it. Capability `writer_lock`."""
+        raise _undeclared(self, "claim_writer", "writer_lock")
 
     def release_writer(self) -> None:
-        """Give up what `claim_writer` took; idempotent."""
-        return None
+        """Give up what `claim_writer` took; idempotent. Capability `writer_lock`."""
+        raise _undeclared(self, "release_writer", "writer_lock")
+
+    def local_dir(self) -> str:
+        """The tier's root as a real directory of this machine. Capability `local_files`."""
+        raise _undeclared(self, "local_dir", "local_files")
+
+    def local_file(self, step: int, name: str) -> str:
+        """The real path of file `name` of committed `step`, to be opened and read (the
+        uploader streams tier-1 files to tier 2 from it). Capability `local_files`."""
+        raise _undeclared(self, "local_file", "local_files")
 
     @abstractmethod
     def path_of(self, step: int, name: str | None = None) -> str:
-        """A human-readable path for messages."""
+        """A human-readable path for messages only: never opened (see `local_file`)."""

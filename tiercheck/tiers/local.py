@@ -29,7 +29,7 @@ from .. import layout
 from ..errors import CheckpointCorruptedError, DirectoryInUseError, InvalidArgumentError
 from ..events import logger
 from ..throttle import RateLimiter
-from .base import ReadableFile, StepWriter, Tier
+from .base import Capabilities, ReadableFile, StepWriter, Tier
 
 try:
     import fcntl
@@ -63,6 +63,8 @@ class LocalTier(Tier):
         write_rate: optional cap in bytes/s for all writes to this tier.
     """
 
+    capabilities = Capabilities(space_check=True, strays=True, writer_lock=True, local_files=True)
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -87,6 +89,12 @@ class LocalTier(Tier):
     def path_of(self, step: int, name: str | None = None) -> str:
         d = os.path.join(self.root, layout.step_dir_name(step))
         return d if name is None else os.path.join(d, name)
+
+    def local_dir(self) -> str:
+        return self.root
+
+    def local_file(self, step: int, name: str) -> str:
+        return self.path_of(step, name)
 
     def committed_steps(self) -> list[int]:
         try:

@@ -27,7 +27,7 @@ from ..errors import CheckpointCorruptedError, InvalidArgumentError, TierError
 from ..retry import RetryPolicy
 from ..throttle import RateLimiter
 from . import multipart
-from .base import ReadableFile, StepWriter, Tier
+from .base import Capabilities, ReadableFile, StepWriter, Tier
 
 T = TypeVar("T")
 logger = logging.getLogger("tiercheck")
@@ -70,6 +70,8 @@ class RemoteTier(Tier):
     uncommitted blocks never make a blob and the service discards them), so a cut upload
     is never listed and leaves no parts behind.
     """
+
+    capabilities = Capabilities(strays=True)  # no statvfs, no lock, no local files
 
     def __init__(
         self,
@@ -417,6 +419,9 @@ class _RemoteStepWriter(StepWriter):
         path = self._tier._path(self._step, name)
         self._written.append(path)
         return self._tier.put_local_file(path, local_path, compress)
+
+    def publish_part(self) -> None:
+        return None  # every file was written in place under the step's name
 
     def commit(self, marker: bytes) -> None:
         self._written.append(self._tier._path(self._step, layout.COMMIT_NAME))  # a cut marker must go too

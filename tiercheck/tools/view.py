@@ -22,8 +22,7 @@ from ..manifest import Entry, Manifest, ShardFile, decode_key
 from ..progress import ProgressCallback
 from ..state import JsonNode, decode_float
 from ..tiers.base import ReadableFile, Tier
-from ..tiers.local import LocalTier
-from ..tiers.remote import RemoteTier
+from ..tiers.open import open_tier
 
 Key = str | int
 KeyPath = tuple[Key, ...]
@@ -33,10 +32,9 @@ LEAF_KINDS = frozenset({"tensor", "ndarray", "npscalar", "bytes"})
 CHUNK = 8 << 20  # the fixed buffer every streamed read goes through
 
 
-def tier_at(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Tier:
-    """The tier rooted at `location`: a local directory, or an fsspec URL."""
-    loc = os.fspath(location)
-    return RemoteTier(loc, storage_options) if "://" in loc else LocalTier(loc)
+def tier_at(location: str | os.PathLike[str] | Tier, storage_options: Mapping[str, Any] | None = None) -> Tier:
+    """The tier rooted at `location`: a local directory, or an fsspec URL (`open_tier`)."""
+    return open_tier(location, storage_options=storage_options)
 
 
 @dataclass(frozen=True, slots=True)

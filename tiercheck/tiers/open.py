@@ -1,0 +1,85 @@
+"""`open_tier`: the one place that turns a location (or a `Tier` given as is) into a tier."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from .base import Tier
+from .local import LocalTier
+from .remote import RemoteTier
+
+ROLES = ("local", "remote")
+
+
+def open_tier(
+    location: str | os.PathLike[str] | Tier,
+    *,
+    role: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Tier:
+    """The tier at `location`, for the role it plays.
+
+    Args:
+        location: a `Tier`, returned as it is (it keeps the options it was built with), or
+            a location: a local directory, a ``file://`` URL, or any fsspec URL.
+        role: "local" (tier 1): a directory or ``file://`` URL, as a `LocalTier`; another URL
+            is refused. "remote" (tier 2): any location as a `RemoteTier`; a plain path is
+            the local filesystem, as ``file://`` is. None (readers: `tiercheck.load`, the
+            CLI): a URL is a `RemoteTier`, a plain path a `LocalTier`.
+        storage_options: fsspec options for a `RemoteTier` (ignored for a directory).
+        options: keyword arguments of the tier's constructor (``direct_io``, ``fsync``,
+            ``write_rate`` for a `LocalTier`; ``retry``, ``op_timeout``, ``compression``,
+            ``concurrency``, ``block_size``, ``write_rate`` for a `RemoteTier`).
+
+    Returns:
+        A tier whose `name` is `role` (for role None: "local" for a directory, else "remote").
+
+    Raises:
+        InvalidArgumentError: a `Tier` whose name is not `role`, a `Tier` together with
+            `storage_options` or `options` (they are the tier's own, set when it was built),
+            an unknown role or option, or a URL other than ``file://`` as a local tier.
+
+    Example:
+        >>> open_tier("ckpt/run7", role="local", fsync=False)    # doctest: +SKIP
+        >>> open_tier("s3://bucket/run7", role="remote")         # doctest: +SKIP
+    """
+    if role is not None and role not in ROLES:
+        raise InvalidArgumentError(f"role must be one of {ROLES} or None, got {role!r}")
+    if isinstance(location, Tier):
+        return _given(location, role, storage_options, options)
+    loc = os.fspath(location)
+    is_url = "://" in loc or "::" in loc
+    if role == "local" or (role is None and not is_url):
+        if loc.startswith("file://"):
+            loc = loc[len("file://") :]
+        elif is_url:
+            raise InvalidArgumentError(
+                f"local= takes a directory (or a file:// URL), got {loc!r}; give an object-store URL as remote="
+            )
+        try:
+            return LocalTier(loc, name=role or "local", **options)
+        except TypeError as exc:  # an option a local tier does not take
+            raise InvalidArgumentError(f"cannot open {loc!r} as a local tier: {exc}") from exc
+    try:
+        return RemoteTier(loc, storage_options, name=role or "remote", **options)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"cannot open {loc!r} as a remote tier: {exc}") from exc
+
+
+def _given(tier: Tier, role: str | None, storage_options: Mapping[str, Any] | None, options: dict[str, Any]) -> Tier:
+    if role is not None and tier.name != role:
+        raise InvalidArgumentError(
+            f"a tier given as {role}= must be named {role!r}, got a {type(tier).__name__} named {tier.name!r} "
+            f"at {tier.location}; build it with name={role!r}"
+        )
+    given = sorted(options) + (["storage_options"] if storage_options else [])
+    if given:
+        raise InvalidArgumentError(
+            f"{', '.join(given)} cannot be applied to the {type(tier).__name__} given for {tier.location}: "
+            "a Tier passed in keeps the options it was built with; set them when building it"
+        )
+    return tier
