@@ -561,6 +561,37 @@ def test_progress_callbacks_count_every_byte(saved: Path, tmp_path: Path) -> Non
     assert calls[-1][0] == calls[-1][1] == sum(p.nbytes for p in model.state_dict().values())
 
 
+def test_import_writes_what_checkpointer_save_writes(tmp_path: Path) -> None:
+    """The streamed writer's step is byte for byte the step `save` writes of the same state:
+    shard (tied tensors once, views, conjugate bits, padding), manifest and marker."""
+    state = torch_save_state()
+    weight = state["model"]["0.weight"]
+    state["tied"] = weight
+    state["transposed"] = weight.t()
+    state["conj"] = torch.randn(3, dtype=torch.complex64).conj()
+    src = tmp_path / "s.pt"
+    torch.save(state, src)
+    import_step(src, tmp_path / "imported", 7)
+    with tiercheck.Checkpointer(local=tmp_path / "saved", keep_local=None, run_log_interval=None) as ck:
+        ck.save(7, torch.load(src, weights_only=True))
+    step = layout.step_dir_name(7)
+    names = sorted(os.listdir(tmp_path / "saved" / step))
+    assert sorted(os.listdir(tmp_path / "imported" / step)) == names
+    for name in names:
+        assert (tmp_path / "imported" / step / name).read_bytes() == (tmp_path / "saved" / step / name).read_bytes()
+
+
+def test_import_into_an_object_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tensors = {f"w{i}": raw_tensor(torch.float32, (300, 7), i) for i in range(3)}
+    src = tmp_path / "m.safetensors"
+    safetensors_torch.save_file(tensors, str(src))
+    url = f"memory://import-{os.getpid()}-{id(tensors)}"
+    code, _, _ = run_cli(["import", str(src), url, "--step", "3", "--prefix", "model"], capsys)
+    assert code == 0
+    same(tiercheck.load(url)["model"], _ordered(tensors, tiercheck.load(url)["model"]))
+    assert run_cli(["verify", url], capsys)[0] == 0
+
+
 _PEAK_RSS = textwrap.dedent(
     """
     import json, resource, sys
