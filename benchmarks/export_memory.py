@@ -14,10 +14,9 @@ and tiercheck is the baseline):
   drop under pressure, but they count in RSS while mapped);
 - wall time.
 
-Operations: export to .safetensors, .pt and a DCP directory (each must stay near a fixed
-buffer / the largest tensor, whatever the checkpoint's size), and import of each of those
-files back (bounded by the checkpoint's size: `Checkpointer.save` stages the whole state in
-one host buffer).
+Operations: export to .safetensors, .pt and a DCP directory, and import of each of those
+files back; all streamed, so each must stay near a fixed buffer (8 MiB) plus the largest
+tensor (DCP's reader: about three times the largest tensor), whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -45,6 +44,8 @@ def status_kib(field: str) -> int:
 
 
 def child(op: str, src: str, dest: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint.state_dict_loader  # noqa: F401 - DCP's modules (~90 MiB) are baseline too
+
     import tiercheck  # noqa: F401 - the baseline includes the library and torch
     from tiercheck.tools import export_step, import_step
 

@@ -1,6 +1,6 @@
 """Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck --version``,
 ``tiercheck bench ...``, ``tiercheck report DIR`` / ``tiercheck plan`` (in `cli_goodput.py`), and the
-checkpoint tools ``inspect``, ``export``, ``import``, ``prune``, ``rm`` (in `tools/cli.py`).
+checkpoint tools ``inspect``, ``export``, ``import``, ``upload``, ``prune``, ``rm`` (in `tools/cli.py`).
 
 Exit status: 0 every step checked is intact, 1 a step is damaged, 2 nothing was checked (bad
 usage, a missing location or step, nothing committed there, an unreachable store); such an

@@ -23,7 +23,7 @@ import shutil
 import socket
 import stat
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .. import layout
 from ..errors import CheckpointCorruptedError, DirectoryInUseError, InvalidArgumentError
@@ -391,6 +391,30 @@ class _LocalStepWriter(StepWriter):
         else:
             self._tier.write_file(path, data, aligned, ready)
         return len(data)
+
+    def write_chunks(
+        self, name: str, chunks: Callable[[], Iterator[bytes | memoryview]], nbytes: int, compress: bool = False
+    ) -> int:
+        """Streamed: each chunk is written as it comes, so none is gathered in memory."""
+        path = os.path.join(self._tmp, name)
+        tier = self._tier
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            written = 0
+            for chunk in chunks():
+                view = memoryview(chunk).cast("B")
+                tier.limiter.consume(len(view))
+                while len(view):
+                    n = os.write(fd, view)
+                    view = view[n:]
+                    written += n
+            if written != nbytes:
+                raise ValueError(f"{path}: got {written} bytes, expected {nbytes}")
+        except BaseException:
+            os.close(fd)
+            raise
+        tier._finish(fd)
+        return written
 
     def commit(self, marker: bytes) -> None:
         tier = self._tier

@@ -1,4 +1,4 @@
-"""The subcommands `inspect`, `export`, `import`, `prune` and `rm` of the ``tiercheck`` command.
+"""The subcommands `inspect`, `export`, `import`, `upload`, `prune` and `rm` of the ``tiercheck`` command.
 
 `register` adds them to the command's subparsers; `run` executes one. Exit codes: 0 done,
 1 the checkpoint is damaged (a checksum or a manifest failed), 2 a usage error, something
@@ -20,11 +20,12 @@ from .describe import describe_step, render
 from .export import FORMATS, describe_result, export_step
 from .ingest import SOURCE_FORMATS, import_step
 from .prune import PruneResult, prune_steps, remove_step
+from .upload import upload_steps
 from .view import tier_at
 
 __all__ = ["COMMANDS", "register", "run"]
 
-COMMANDS = ("inspect", "export", "import", "prune", "rm")
+COMMANDS = ("inspect", "export", "import", "upload", "prune", "rm")
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 
@@ -54,6 +55,12 @@ def register(sub: Any) -> None:
     p.add_argument("--prefix", default=None, help="save the contents under this key (dotted nests)")
     p.add_argument("--format", choices=SOURCE_FORMATS, default=None, help="instead of guessing from the source")
     p.add_argument("--int-keys", action="store_true", help="turn decimal-string dict keys into ints (DCP)")
+    _common_flags(p)
+
+    p = sub.add_parser("upload", help="copy the committed steps tier 1 has and tier 2 lacks (checked, marker last)")
+    p.add_argument("local", metavar="LOCAL", help="tier 1: the local directory")
+    p.add_argument("remote", metavar="REMOTE", help="tier 2: an fsspec URL (or a directory)")
+    p.add_argument("--step", type=int, default=None, help="copy only this step")
     _common_flags(p)
 
     p = sub.add_parser("prune", help="delete old steps, as retention would (never the newest)")
@@ -180,6 +187,23 @@ def _import(args: argparse.Namespace) -> tuple[Any, str]:
     return doc, text
 
 
+def _upload(args: argparse.Namespace) -> tuple[Any, str]:
+    with terminal_bar("upload") as progress:
+        result = upload_steps(
+            args.local, args.remote, step=args.step, storage_options=args.storage_options, progress=progress
+        )
+    doc = {
+        "local": result.local,
+        "remote": result.remote,
+        "copied": list(result.copied),
+        "present": list(result.present),
+        "bytes": result.bytes,
+    }
+    text = f"copied {_steps(result.copied)} ({format_bytes(result.bytes)}) to {result.remote}"
+    text += f"; already there: {_steps(result.present)}\n" if result.present else "\n"
+    return doc, text
+
+
 def _prune(args: argparse.Namespace) -> tuple[Any, str]:
     result = prune_steps(
         args.location,
@@ -225,4 +249,11 @@ def _steps(steps: tuple[int, ...]) -> str:
     return ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps))
 
 
-_COMMANDS = {"inspect": _inspect, "export": _export, "import": _import, "prune": _prune, "rm": _rm}
+_COMMANDS = {
+    "inspect": _inspect,
+    "export": _export,
+    "import": _import,
+    "upload": _upload,
+    "prune": _prune,
+    "rm": _rm,
+}

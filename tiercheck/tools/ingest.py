@@ -1,36 +1,53 @@
 """`tiercheck import`: turn a `torch.save` file, a safetensors file or a DCP directory into a
-committed tiercheck step, through `Checkpointer.save` (so the format, the checksums and the
-commit marker are the library's own).
+committed tiercheck step, in the very format `Checkpointer.save` writes (`step_writer`).
 
 No code from the input runs: `torch.save` files are read with ``weights_only=True``; a DCP
 directory's ``.metadata`` (a pickle) is read by an unpickler that only builds DCP's own
 metadata classes, and its pickled values with ``torch.load(weights_only=True)``.
 
-Memory: `Checkpointer.save` copies the whole state into one host buffer, so an import
-needs about the checkpoint's size in memory, plus: nothing for safetensors and `torch.save`
-zip files (their tensors are mapped from the file, read as the copy goes), the whole
-checkpoint again for legacy (non-zip) `torch.save` files and for DCP directories (their
-tensors are read into memory before the copy).
+Streamed: the step is written tensor by tensor in 8 MiB chunks, never gathered in memory.
+Peak memory, beyond the chunk (benchmarks/export_memory.py has the measurements):
+
+- safetensors: nothing more; the structure comes from the header and each tensor's bytes
+  are read from the file with ``pread`` as they are written;
+- `torch.save` zip files (the default format since torch 1.6): loaded with ``mmap=True``, so
+  tensors are mapped from the file, not read; each chunk's pages are dropped from the
+  mapping once written (Linux), so they do not pile up in the process's memory. A tensor
+  that is not contiguous is copied whole first. Legacy (non-zip) `torch.save` files cannot
+  be mapped: they are read whole, so an import of one needs the file's size in memory;
+- DCP directories: tensors are loaded one at a time by DCP's own reader, which holds a
+  tensor about three times while it reads it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import io
 import itertools
+import json
+import mmap
 import os
 import pickle
-from collections.abc import Mapping
+import sys
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import layout
-from ..checkpointer import Checkpointer
-from ..errors import CheckpointCorruptedError, NoCheckpointError, UnsupportedStateError
-from ..handle import WaitTimeoutError
+from ..dtypes import TORCH_DTYPES
+from ..errors import CheckpointCorruptedError, NoCheckpointError, StepConflictError, UnsupportedStateError
 from ..progress import ProgressCallback
+from ..retry import RetryPolicy
+from ..state import flatten_state
+from ..tiers.base import Tier
+from ..tiers.local import LocalTier
+from ..tiers.remote import RemoteTier
+from .step_writer import BLOCK, Chunk, memory_chunks, write_step
 from .to_dcp import dcp_call
+from .to_safetensors import MAX_HEADER, SAFETENSORS_DTYPES
 
 __all__ = ["SOURCE_FORMATS", "ImportResult", "import_step", "source_format"]
 
@@ -87,7 +104,8 @@ def import_step(
     storage_options: Mapping[str, Any] | None = None,
     progress: ProgressCallback | None = None,
 ) -> ImportResult:
-    """Save the contents of `source` as committed `step` of the tier at `location`.
+    """Save the contents of `source` as committed `step` of the tier at `location`, streamed
+    (see the module docstring for the memory each format needs).
 
     Args:
         source: a `torch.save` file, a safetensors file, or a DCP checkpoint directory.
@@ -101,8 +119,8 @@ def import_step(
             a string, including the int keys of an optimizer's ``state``, which
             ``Optimizer.load_state_dict`` needs back as ints.
         storage_options: fsspec options for a URL `location`.
-        progress: called as ``progress(done_bytes, total_bytes)`` while a local tier writes
-            the step (the copy into host memory before it is not counted).
+        progress: called as ``progress(done_bytes, total_bytes)`` as the step's bytes are
+            written (tied tensors count once).
 
     Returns:
         An `ImportResult`.
@@ -113,19 +131,23 @@ def import_step(
         UnsupportedStateError: `source` holds something tiercheck cannot store (the key path
             is named), or that ``weights_only=True`` refuses to unpickle.
         StepConflictError: `step` is not newer than the committed steps at `location`.
+        DirectoryInUseError: a `Checkpointer` writes the directory `location`.
 
     Example:
         >>> import_step("last.pt", "ckpt/run7", step=12000)                 # doctest: +SKIP
         >>> import_step("model.safetensors", "ckpt/hf", 0, prefix="model")  # doctest: +SKIP
     """
+    if type(step) is not int or step < 0:
+        raise UnsupportedStateError(f"step must be a non-negative int, got {step!r}")
     src = os.fspath(source)
     fmt = source_format(src, format)
+    sources = _Sources()
     if fmt == "pt":
-        state = _read_torch(src)
+        state = _read_torch(src, sources)
     elif fmt == "safetensors":
-        state = _read_safetensors(src)
+        state = _read_safetensors(src, sources)
     else:
-        state = _read_dcp(src)
+        state = _read_dcp(src, sources)
     if prefix:
         for key in reversed(prefix.split(".")):
             state = {key: state}
@@ -137,49 +159,88 @@ def import_step(
         state = _int_keys(state)
     tensors, nbytes = _count_tensors(state)
     keys = tuple(state)
+    flat = flatten_state(state)
     loc = os.fspath(location)
-    remote = "://" in loc
-    ckpt = Checkpointer(
-        local=None if remote else loc,
-        remote=loc if remote else None,
-        storage_options=storage_options,
-        keep_local=None,
-        run_log_interval=None,  # an import is not a training run: `tiercheck report` should not list it
-    )
-    with ckpt:
-        handle = ckpt.save(step, state)
-        del state  # the host buffer holds the step now; the input's memory can go
-        _await(handle, None if remote else loc, step, nbytes, progress)
+    tier = _writable_tier(loc, storage_options)
+    # As a Checkpointer's first save: the one writer of the directory (a running job's
+    # Checkpointer holds it: DirectoryInUseError), its leftovers swept.
+    tier.claim_writer(0, 1)
+    try:
+        committed = tier.committed_steps()
+        if committed and step <= committed[-1]:
+            raise StepConflictError(
+                f"cannot import as step {step}: step {committed[-1]} is already committed "
+                f"({tier.path_of(committed[-1])}); steps must increase, choose a step after {committed[-1]}"
+            )
+        write_step(tier, step, flat, lambda i: sources.chunks(flat.sources[i]), progress=progress)
+    finally:
+        tier.release_writer()
     return ImportResult(src, fmt, loc, step, tensors, nbytes, keys)
 
 
-def _await(handle: Any, root: str | None, step: int, total: int, progress: ProgressCallback | None) -> None:
-    """Wait for the step, reporting the bytes the local tier has written so far."""
-    if progress is None or root is None:
-        handle.wait()
+# TODO(issue 13): share with pipeline (Checkpointer's remote tier settings, `_with_timeouts`)
+_REMOTE_TIMEOUT = 30.0
+_REMOTE_RETRY_BUDGET = 120.0
+
+
+def _writable_tier(location: str, storage_options: Mapping[str, Any] | None) -> Tier:
+    """The tier at `location`, set up as `Checkpointer` sets up its tiers by default."""
+    if "://" not in location:
+        return LocalTier(location)
+    opts = dict(storage_options or {})
+    if location.startswith(("s3://", "s3a://")):  # botocore's defaults stall for minutes
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", _REMOTE_TIMEOUT)
+        config.setdefault("read_timeout", _REMOTE_TIMEOUT)
+        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
+        opts["config_kwargs"] = config
+    return RemoteTier(location, opts, retry=RetryPolicy(budget_s=_REMOTE_RETRY_BUDGET), op_timeout=_REMOTE_TIMEOUT)
+
+
+class _Sources:
+    """Where each leaf's bytes come from when the step is written.
+
+    A format whose tensors are read only when written (safetensors, DCP) puts a stand-in in
+    the state: a one-element tensor of the right dtype expanded to the right shape, which
+    `flatten_state` describes exactly (dtype, shape, bytes) without the bytes existing; its
+    reader is found by the stand-in's storage. Any other value is read from memory, with
+    `release` called on each chunk's addresses once written (a mapped `torch.save` file)."""
+
+    def __init__(self) -> None:
+        self._lazy: dict[int, Callable[[], Iterator[Chunk]]] = {}
+        self.release: Callable[[int, int], None] | None = None
+
+    def stand_in(self, dtype: torch.dtype, shape: tuple[int, ...], read: Callable[[], Iterator[Chunk]]) -> torch.Tensor:
+        t = torch.empty((), dtype=dtype).expand(shape)
+        self._lazy[t.untyped_storage().data_ptr()] = read
+        return t
+
+    def chunks(self, source: object) -> Iterator[Chunk]:
+        if isinstance(source, torch.Tensor) and self._lazy:
+            read = self._lazy.get(source.untyped_storage().data_ptr())
+            if read is not None:
+                return read()
+        return memory_chunks(source, BLOCK, self.release)
+
+
+def _pread_chunks(path: str, offset: int, n: int) -> Iterator[Chunk]:
+    """Bytes [offset, offset + n) of the file at `path`, in chunks of one reused buffer."""
+    if n == 0:
         return
-    while True:
-        try:
-            handle.wait(timeout=0.2)
-            break
-        except WaitTimeoutError:
-            progress(min(_written(root, step), total), total)
-    progress(total, total)
-
-
-def _written(root: str, step: int) -> int:
-    """Bytes in the temporary directories of `step` at `root` (layout.tmp_dir_name)."""
-    prefix = layout.TMP_PREFIX + layout.step_dir_name(step) + "-"
-    n = 0
+    buf = bytearray(min(n, BLOCK))
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with os.scandir(root) as it:
-            for entry in it:
-                if entry.name.startswith(prefix) and layout.is_leftover(entry.name):
-                    for f in os.scandir(entry.path):
-                        n += f.stat(follow_symlinks=False).st_size
-    except OSError:  # the directory was renamed into place while listed
-        pass
-    return n
+        pos = 0
+        while pos < n:
+            k = min(len(buf), n - pos)
+            got = os.preadv(fd, [view[:k]], offset + pos)
+            if got <= 0:
+                raise CheckpointCorruptedError(f"{path}: file ends at byte {offset + pos}, expected {offset + n}")
+            yield view[:got]
+            pos += got
+    finally:
+        os.close(fd)
 
 
 def _count_tensors(state: object) -> tuple[int, int]:
@@ -213,10 +274,10 @@ def _as_int(k: object) -> object:
 # ------------------------------------------------------------------ torch.save
 
 
-def _read_torch(src: str) -> Any:
+def _read_torch(src: str, sources: _Sources) -> Any:
     try:
         try:
-            return torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as exc:
             if "mmap" not in str(exc):  # a legacy (non-zip) file cannot be mapped: read it whole
                 raise
@@ -229,22 +290,127 @@ def _read_torch(src: str) -> Any:
         raise NoCheckpointError(f"{src}: no such file") from None
     except (RuntimeError, EOFError, ValueError) as exc:
         raise CheckpointCorruptedError(f"{src}: not a readable torch.save file: {exc}") from None
+    if _native_byte_order(src):
+        sources.release = _MappedPages.of(src)
+    return state
+
+
+def _native_byte_order(src: str) -> bool:
+    """Whether torch.load left the mapped pages of zip file `src` as they are in the file: it
+    swaps the bytes of a file of the other byte order in place (so the pages are private
+    copies, which must not be dropped)."""
+    try:
+        with zipfile.ZipFile(src) as z:
+            names = [n for n in z.namelist() if n.endswith("/byteorder") and n.count("/") == 1]
+            order = z.read(names[0]).decode() if names else "little"
+    except (OSError, zipfile.BadZipFile, UnicodeDecodeError):
+        return False
+    return order == sys.byteorder
+
+
+class _MappedPages:
+    """Drops the pages of a mapped file from this process once they are written out.
+
+    ``torch.load(mmap=True)`` maps the file privately; reading a tensor faults its pages in,
+    and they stay in the process (and its RSS) until the mapping goes, at the end of the
+    import: the whole file. Those pages are clean copies of the file (torch writes to them
+    only to swap byte order, see `_native_byte_order`), so ``madvise(MADV_DONTNEED)`` drops
+    them and a later read faults them in again from the file, unchanged. Only addresses
+    inside this file's mappings (from /proc/self/maps) are ever touched."""
+
+    def __init__(self, ranges: list[tuple[int, int]], madvise: Any, advice: int) -> None:
+        self._ranges = ranges
+        self._madvise = madvise
+        self._advice = advice
+        self._page = mmap.PAGESIZE
+
+    @classmethod
+    def of(cls, path: str) -> Callable[[int, int], None] | None:
+        """`release(lo, hi)` for the current mappings of `path`, or None where there is no
+        /proc/self/maps or madvise (not Linux): the pages then stay until the import ends."""
+        dont_need = getattr(mmap, "MADV_DONTNEED", None)
+        if dont_need is None:
+            return None
+        try:
+            st = os.stat(path)
+            with open("/proc/self/maps") as f:
+                lines = f.readlines()
+            libc = ctypes.CDLL(None, use_errno=True)
+            madvise = libc.madvise
+        except (OSError, AttributeError):
+            return None
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise.restype = ctypes.c_int
+        ranges = []
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5 or not fields[1].endswith("p"):  # private mappings only
+                continue
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            if int(fields[4]) == st.st_ino and (major, minor) == (os.major(st.st_dev), os.minor(st.st_dev)):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((lo, hi))
+        if not ranges:
+            return None
+        return cls(ranges, madvise, dont_need).release
+
+    def release(self, lo: int, hi: int) -> None:
+        lo -= lo % self._page
+        hi += -hi % self._page
+        for start, end in self._ranges:
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                self._madvise(a, b - a, self._advice)  # a failure only leaves the pages in place
 
 
 # ------------------------------------------------------------------ safetensors
 
+# safetensors dtype -> torch dtype, the inverse of the export's table (plus E8M0, which
+# tiercheck stores though it does not export it)
+_FROM_SAFETENSORS = {st: TORCH_DTYPES[name] for name, st in SAFETENSORS_DTYPES.items() if name in TORCH_DTYPES}
+if "float8_e8m0fnu" in TORCH_DTYPES:
+    _FROM_SAFETENSORS["F8_E8M0"] = TORCH_DTYPES["float8_e8m0fnu"]
 
-def _read_safetensors(src: str) -> dict[str, torch.Tensor]:
+
+def _read_safetensors(src: str, sources: _Sources) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open  # optional dependency: tiercheck[safetensors]
 
     try:
-        with safe_open(src, framework="pt", device="cpu") as f:
-            # get_tensor maps the file: bytes are read when save() copies them
-            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        with safe_open(src, framework="pt", device="cpu") as f:  # checks the header and the offsets
+            names = list(f.keys())
+        with open(src, "rb") as raw:
+            n = int.from_bytes(raw.read(8), "little")
+            if n > MAX_HEADER:
+                raise ValueError(f"header of {n} bytes")
+            header = json.loads(raw.read(n))
     except FileNotFoundError:
         raise NoCheckpointError(f"{src}: no such file") from None
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointCorruptedError(f"{src}: not a readable safetensors file: {exc}") from None
+    start = 8 + n
+    state: dict[str, torch.Tensor] = {}
+    for name in names:
+        info = header.get(name)
+        if not isinstance(info, dict):
+            raise CheckpointCorruptedError(f"{src}: tensor {name!r} is not described in the header")
+        dtype = _FROM_SAFETENSORS.get(info.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise UnsupportedStateError(
+                f"{src}: tensor {name!r} has safetensors dtype {info.get('dtype')!r}, which tiercheck does not store"
+            )
+        shape = tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        if end - begin != dtype.itemsize * _numel(shape):
+            raise CheckpointCorruptedError(f"{src}: tensor {name!r}: {end - begin} bytes for shape {list(shape)}")
+        state[name] = sources.stand_in(dtype, shape, functools.partial(_pread_chunks, src, start + begin, end - begin))
+    return state
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 # ------------------------------------------------------------------ DCP
@@ -302,20 +468,48 @@ def _read_dcp_metadata(path: str) -> Any:
         raise CheckpointCorruptedError(f"{meta_path}: not readable DCP metadata: {exc!r}") from None
 
 
-def _read_dcp(src: str) -> dict[str, Any]:
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+def _read_dcp(src: str, sources: _Sources) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-    from torch.distributed.checkpoint.planner import ReadItem
-    from torch.distributed.checkpoint.state_dict_loader import load
 
     raw = _read_dcp_metadata(src)
     if not isinstance(raw, Metadata):
         raise CheckpointCorruptedError(f"{src}/.metadata: holds a {type(raw).__name__}, not DCP Metadata")
     metadata: Metadata = raw
+    load = _dcp_loader(src, metadata)
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    values: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors[fqn] = (tuple(md.size), md.properties.dtype)
+        elif isinstance(md, BytesStorageMetadata):
+            values[fqn] = None
+        else:
+            raise CheckpointCorruptedError(f"{src}/.metadata: unknown item kind {type(md).__name__} for {fqn!r}")
+    if values:  # the plain values (pickled by DCP): small, read now
+        values = load(values)
+    reader = _DcpTensors(load, tensors)
+    paths = metadata.planner_data or {}
+    nested: dict[str, Any] = {}
+    for fqn in metadata.state_dict_metadata:
+        if fqn in tensors:
+            shape, dtype = tensors[fqn]
+            value: object = sources.stand_in(dtype, shape, functools.partial(reader.chunks, fqn))
+        else:
+            value = values[fqn]
+        _set_path(nested, tuple(paths.get(fqn, (fqn,))), value)
+    return nested
+
+
+def _dcp_loader(src: str, metadata: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """``load(items)``: the values of `items` (fqn -> an empty tensor of the item's size and
+    dtype, or None for a pickled value), read by DCP's own reader from `src`."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.planner import ReadItem
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return metadata  # read once, by the restricted unpickler
 
     class SafePlanner(DefaultLoadPlanner):
@@ -327,23 +521,27 @@ def _read_dcp(src: str) -> dict[str, Any]:
                     f"{src}: value {read_item.dest_index.fqn!r}: torch.load(weights_only=True) refused it: {exc}"
                 ) from None
 
-    flat: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        elif isinstance(md, BytesStorageMetadata):
-            flat[fqn] = None
-        else:
-            raise CheckpointCorruptedError(f"{src}/.metadata: unknown item kind {type(md).__name__} for {fqn!r}")
-    with dcp_call():
-        planner = SafePlanner(flatten_state_dict=False)
-        load(flat, storage_reader=SafeReader(src), planner=planner, no_dist=True)
-    loaded = {fqn: planner.state_dict.get(fqn, value) for fqn, value in flat.items()}  # values land in its copy
-    paths = metadata.planner_data or {}
-    nested: dict[str, Any] = {}
-    for fqn, value in loaded.items():
-        _set_path(nested, tuple(paths.get(fqn, (fqn,))), value)
-    return nested
+    def load(items: dict[str, Any]) -> dict[str, Any]:
+        with dcp_call():
+            planner = SafePlanner(flatten_state_dict=False)
+            dcp_load(items, storage_reader=SafeReader(src), planner=planner, no_dist=True)
+        return {fqn: planner.state_dict.get(fqn, value) for fqn, value in items.items()}  # values land in its copy
+
+    return load
+
+
+class _DcpTensors:
+    """DCP tensors read one at a time, as each is written, by DCP's own reader (which holds
+    a tensor about three times while it reads it: its bytes, the tensor it loads, the copy)."""
+
+    def __init__(self, load: Callable[[dict[str, Any]], dict[str, Any]], tensors: dict[str, Any]) -> None:
+        self._load = load
+        self._tensors = tensors
+
+    def chunks(self, fqn: str) -> Iterator[Chunk]:
+        shape, dtype = self._tensors[fqn]
+        tensor = self._load({fqn: torch.empty(shape, dtype=dtype)})[fqn]
+        return memory_chunks(tensor, BLOCK)
 
 
 def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: object) -> None:

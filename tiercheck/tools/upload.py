@@ -1,0 +1,198 @@
+"""`tiercheck upload`: copy the committed steps of tier 1 that tier 2 lacks, by hand.
+
+What a `Checkpointer`'s catch-up does at start-up (the steps an earlier run committed on tier
+1 but never uploaded), for a person waiting at a terminal: with a progress bar, and for
+every missing step rather than only those tier-2 retention would keep.
+
+Each step is copied as the library's uploader copies it: the commit marker and the manifests
+are checked first (the manifests against the marker's checksums); each shard file is then
+streamed to tier 2 while every entry's checksum is computed on the bytes as they pass, and
+a mismatch stops the upload of that file before it completes; the manifests follow, and the
+commit marker last, so tier 2 lists the step only once everything is there. A damaged step
+is refused (`CheckpointCorruptedError`, naming the step and the file) and nothing of it is
+left on tier 2. Tier 1 is only read.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .. import layout
+from ..checksum import checksum_stream
+from ..errors import CheckpointCorruptedError, NoCheckpointError
+from ..manifest import Manifest
+from ..progress import ProgressCallback
+from ..restore import MAX_MARKER_BYTES, read_manifest_with_bytes, read_marker
+from ..tiers.base import StepWriter, Tier
+from ..tiers.local import LocalTier
+from .step_writer import BLOCK
+from .view import tier_at
+
+__all__ = ["UploadResult", "upload_steps"]
+
+
+@dataclass(frozen=True, slots=True)
+class UploadResult:
+    """What `upload_steps` did.
+
+    Attributes:
+        copied: steps copied to `remote`, ascending.
+        present: steps asked for (or committed on `local`) that `remote` already had.
+        bytes: bytes copied (shards, manifests and markers).
+    """
+
+    local: str
+    remote: str
+    copied: tuple[int, ...]
+    present: tuple[int, ...]
+    bytes: int
+
+
+def upload_steps(
+    local: str | os.PathLike[str],
+    remote: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: ProgressCallback | None = None,
+) -> UploadResult:
+    """Copy the steps committed in the directory `local` but not at `remote` (or just `step`).
+
+    Args:
+        local: tier 1, a directory.
+        remote: tier 2, an fsspec URL (or a directory).
+        step: copy only this step (nothing if `remote` has it already).
+        storage_options: fsspec options for `remote`.
+        progress: called as ``progress(done_bytes, total_bytes)`` over the bytes of every
+            step to copy, as they are read.
+
+    Returns:
+        An `UploadResult`. Running it again copies nothing.
+
+    Raises:
+        NoCheckpointError: `step` is not committed in `local`.
+        CheckpointCorruptedError: a step to copy is damaged on tier 1 (its marker, a
+            manifest, or a shard's bytes); the steps before it were copied, it was not.
+
+    Example:
+        >>> upload_steps("ckpt/run7", "s3://bucket/run7")   # doctest: +SKIP
+    """
+    src = LocalTier(local)
+    dst = tier_at(remote, storage_options)
+    on_local = src.committed_steps()
+    on_remote = set(dst.committed_steps())
+    if step is not None:
+        if step not in on_local:
+            raise NoCheckpointError(f"step {step} is not committed in {src.root} (committed there: {on_local})")
+        wanted = [step]
+    else:
+        wanted = on_local
+    todo = [s for s in wanted if s not in on_remote]
+    present = tuple(s for s in wanted if s in on_remote)
+    plans = [_plan(src, s) for s in todo]  # every marker and manifest checked before any byte moves
+    total = sum(p.nbytes for p in plans)
+    done = 0
+    if progress is not None:
+        progress(0, total)
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done = min(done + n, total)  # a file retried from its start is not counted twice
+        if progress is not None:
+            progress(done, total)
+
+    for plan in plans:
+        _copy(src, dst, plan, advance)
+    return UploadResult(str(src.location), os.fspath(remote), tuple(todo), present, total)
+
+
+@dataclass(frozen=True, slots=True)
+class _StepPlan:
+    step: int
+    marker: bytes
+    manifests: tuple[tuple[bytes, Manifest], ...]  # per rank
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.marker) + sum(len(b) + sum(f.length for f in m.files) for b, m in self.manifests)
+
+
+def _plan(src: Tier, step: int) -> _StepPlan:
+    marker = read_marker(src, step)
+    raw_marker = src.read_bytes(step, layout.COMMIT_NAME, MAX_MARKER_BYTES)
+    manifests = tuple(read_manifest_with_bytes(src, step, r, marker) for r in range(marker.world_size))
+    for _, m in manifests:
+        for f in m.files:
+            if f.codec != "raw":  # tier 1 never compresses; a copy made by hand might
+                raise CheckpointCorruptedError(f"{src.path_of(step, f.name)}: a {f.codec} shard on tier 1")
+    return _StepPlan(step, raw_marker, manifests)
+
+
+def _copy(src: Tier, dst: Tier, plan: _StepPlan, advance: Callable[[int], None]) -> None:
+    shared = len(plan.manifests) > 1
+    writers: list[StepWriter] = []
+    try:
+        for rank, (manifest_bytes, manifest) in enumerate(plan.manifests):
+            writer = dst.open_step(plan.step, rank, shared=shared)
+            writers.append(writer)
+            for f in manifest.files:
+                chunks = functools.partial(_verified_chunks, src, plan.step, manifest, f.name, f.length, advance)
+                writer.write_chunks(f.name, chunks, f.length)
+            writer.write_file(layout.manifest_name(rank, len(plan.manifests)), memoryview(manifest_bytes))
+            advance(len(manifest_bytes))
+            if shared:
+                writer.publish_part()
+        if shared:
+            dst.write_marker(plan.step, plan.marker)
+        else:
+            writers[0].commit(plan.marker)
+        advance(len(plan.marker))
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+
+
+def _verified_chunks(
+    src: Tier, step: int, manifest: Manifest, name: str, length: int, advance: Callable[[int], None]
+) -> Iterator[bytes | memoryview]:
+    """The bytes of shard `name`, checked against every entry's checksum as they pass; the
+    last chunk of an entry is not handed out before its checksum matched."""
+    path = src.path_of(step, name)
+    regions = sorted({(e.offset, e.length): e.checksum for e in manifest.entries if e.file == name}.items())
+    hashers = [checksum_stream(manifest.checksum_algorithm) for _ in regions]
+    f = src.open_file(step, name)
+    try:
+        if f.size != length:
+            raise CheckpointCorruptedError(f"step {step}: {path}: shard file is {f.size} bytes, manifest says {length}")
+        buf = bytearray(min(BLOCK, length))
+        view = memoryview(buf)
+        first = 0
+        for pos in range(0, length, BLOCK):
+            n = min(BLOCK, length - pos)
+            try:
+                f.read_into(pos, view[:n])
+            except EOFError as exc:
+                raise CheckpointCorruptedError(f"step {step}: {exc}") from None
+            for i in range(first, len(regions)):
+                (off, size), expected = regions[i]
+                if off >= pos + n:
+                    break
+                lo, hi = max(off, pos), min(off + size, pos + n)
+                if hi > lo:
+                    hashers[i].update(view[lo - pos : hi - pos])
+                if off + size <= pos + n:
+                    if hashers[i].hexdigest() != expected:
+                        raise CheckpointCorruptedError(
+                            f"step {step}: {path}: checksum mismatch in bytes {off}..{off + size}; not uploaded"
+                        )
+                    if i == first:
+                        first += 1
+            yield view[:n]
+            advance(n)
+    finally:
+        f.close()
