@@ -30,7 +30,7 @@ from .errors import (
 )
 from .events import logger
 from .handle import DrainReport, SaveHandle, WaitTimeoutError
-from .options import Options, open_tiers
+from .options import REMOTE_RETRY_BUDGET, REMOTE_TIMEOUT, Options, open_tiers
 from .pipeline import Pipeline, StagedSave
 from .placement import JobLayout, Placed, Placement, key_sizes, place, replicated_keys, split_state
 from .planner import ShardPlan, plan_shard
@@ -180,8 +180,8 @@ class Checkpointer:
         fsync: bool = True,
         local_write_rate: float | None = None,
         remote_write_rate: float | None = None,
-        remote_retry_budget: float = 120.0,
-        remote_timeout: float = 30.0,
+        remote_retry_budget: float = REMOTE_RETRY_BUDGET,
+        remote_timeout: float = REMOTE_TIMEOUT,
         upload_backlog: str = "newest",
         remote_compression: str | None = None,
         remote_concurrency: int = 8,

@@ -24,9 +24,20 @@ from .store import from_process_group
 from .tiers.base import Tier
 from .tiers.open import open_tier
 
-__all__ = ["BACKLOG_POLICIES", "Options", "job_place", "open_tiers", "with_timeouts"]
+__all__ = [
+    "BACKLOG_POLICIES",
+    "REMOTE_RETRY_BUDGET",
+    "REMOTE_TIMEOUT",
+    "Options",
+    "job_place",
+    "open_default_tier",
+    "open_tiers",
+    "with_timeouts",
+]
 
 BACKLOG_POLICIES = ("newest", "all")
+REMOTE_TIMEOUT = 30.0  # Checkpointer(remote_timeout=) default, seconds per object-store call
+REMOTE_RETRY_BUDGET = 120.0  # Checkpointer(remote_retry_budget=) default, seconds
 
 Location = str | os.PathLike[str] | Tier
 
@@ -185,3 +196,17 @@ def open_tiers(opts: Options, defaults: Mapping[str, Any]) -> tuple[Tier | None,
         storage = with_timeouts(os.fspath(opts.remote), opts.storage_options, opts.remote_timeout)
         remote_tier = open_tier(opts.remote, role="remote", storage_options=storage, **kwargs)
     return local_tier, remote_tier
+
+
+def open_default_tier(location: str, storage_options: Mapping[str, Any] | None = None) -> Tier:
+    """The tier at `location` (a directory or URL) with Checkpointer's default settings, for
+    tools that write steps outside a Checkpointer (``tiercheck import``)."""
+    if "://" not in location:
+        return open_tier(location, role="local")
+    return open_tier(
+        location,
+        role="remote",
+        storage_options=with_timeouts(location, storage_options, REMOTE_TIMEOUT),
+        retry=RetryPolicy(budget_s=REMOTE_RETRY_BUDGET),
+        op_timeout=REMOTE_TIMEOUT,
+    )

@@ -39,12 +39,9 @@ import torch
 
 from ..dtypes import TORCH_DTYPES
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StepConflictError, UnsupportedStateError
+from ..options import open_default_tier
 from ..progress import ProgressCallback
-from ..retry import RetryPolicy
 from ..state import flatten_state
-from ..tiers.base import Tier
-from ..tiers.local import LocalTier
-from ..tiers.remote import RemoteTier
 from .step_writer import BLOCK, Chunk, memory_chunks, write_step
 from .to_dcp import dcp_call
 from .to_safetensors import MAX_HEADER, SAFETENSORS_DTYPES
@@ -161,10 +158,12 @@ def import_step(
     keys = tuple(state)
     flat = flatten_state(state)
     loc = os.fspath(location)
-    tier = _writable_tier(loc, storage_options)
+    tier = open_default_tier(loc, storage_options)
     # As a Checkpointer's first save: the one writer of the directory (a running job's
     # Checkpointer holds it: DirectoryInUseError), its leftovers swept.
-    tier.claim_writer(0, 1)
+    locks = tier.capabilities.writer_lock
+    if locks:
+        tier.claim_writer(0, 1)
     try:
         committed = tier.committed_steps()
         if committed and step <= committed[-1]:
@@ -174,27 +173,9 @@ def import_step(
             )
         write_step(tier, step, flat, lambda i: sources.chunks(flat.sources[i]), progress=progress)
     finally:
-        tier.release_writer()
+        if locks:
+            tier.release_writer()
     return ImportResult(src, fmt, loc, step, tensors, nbytes, keys)
-
-
-# TODO(issue 13): share with pipeline (Checkpointer's remote tier settings, `_with_timeouts`)
-_REMOTE_TIMEOUT = 30.0
-_REMOTE_RETRY_BUDGET = 120.0
-
-
-def _writable_tier(location: str, storage_options: Mapping[str, Any] | None) -> Tier:
-    """The tier at `location`, set up as `Checkpointer` sets up its tiers by default."""
-    if "://" not in location:
-        return LocalTier(location)
-    opts = dict(storage_options or {})
-    if location.startswith(("s3://", "s3a://")):  # botocore's defaults stall for minutes
-        config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("connect_timeout", _REMOTE_TIMEOUT)
-        config.setdefault("read_timeout", _REMOTE_TIMEOUT)
-        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
-        opts["config_kwargs"] = config
-    return RemoteTier(location, opts, retry=RetryPolicy(budget_s=_REMOTE_RETRY_BUDGET), op_timeout=_REMOTE_TIMEOUT)
 
 
 class _Sources:

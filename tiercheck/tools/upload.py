@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import layout
+from ..catalog import MAX_MARKER_BYTES, read_manifest_with_bytes, read_marker
 from ..checksum import checksum_stream
 from ..errors import CheckpointCorruptedError, NoCheckpointError
 from ..manifest import Manifest
 from ..progress import ProgressCallback
-from ..restore import MAX_MARKER_BYTES, read_manifest_with_bytes, read_marker
 from ..tiers.base import StepWriter, Tier
 from ..tiers.local import LocalTier
 from .step_writer import BLOCK
