@@ -1,8 +1,8 @@
 """Writing one staged step from the host buffer to a tier: shard, manifest, commit.
 
 The shard is written while a checksum thread (the pipeline's, passed in) hashes each leaf
-of the same buffer; both release the GIL. With a `ready` progress (the copy into the buffer
-may still run), each block is written, and each leaf hashed, only once it is final.
+of the same buffer; both release the GIL. The step is opened while the copy into the buffer
+may still run (`StageProgress`); the shard is written, and the leaves hashed, once it ends.
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ def write_staged(
         None if leaf.alias_of is not None else hasher.submit(_leaf_checksum, job, checksum, off, leaf.nbytes)
         for leaf, off in zip(job.leaves, job.plan.offsets, strict=True)
     ]
-    ready = job.progress.wait if job.progress is not None else None
     writer = tier.open_step(job.step, job.rank, shared=group is not None)
 
     def manifest_with(sums: list[str]) -> Manifest:
@@ -93,11 +92,11 @@ def write_staged(
         view = job.buffer.view(job.plan.total_bytes)
         shard = layout.shard_name(job.rank, job.world_size)
         moved = retarget(manifest_with([""] * len(job.leaves)), owners) if owners else None
+        if job.progress is not None:
+            job.progress.wait(len(view))  # the copy reports only its end (`StageProgress`)
         if moved is None:
-            stored = writer.write_file(shard, view, job.buffer.aligned, compress=True, ready=ready)
+            stored = writer.write_file(shard, view, job.buffer.aligned, compress=True)
         else:
-            if ready is not None:
-                ready(len(view))
             stored = write_regions(writer, shard, lambda o, n: view[o : o + n], moved)
         doc = manifest_with(with_alias_sums(job.leaves, [f.result() if f is not None else "" for f in futures]))
         if moved is not None:

@@ -283,14 +283,11 @@ class _FaultyStepWriter(StepWriter):
         data: memoryview,
         aligned: bool = False,
         compress: bool = False,
-        ready: Callable[[int], None] | None = None,
     ) -> int:
         rule = self._cut(name)
         if rule is not None:
-            if ready is not None:
-                ready(len(data))
             self._raise_after(rule, name, data)
-        return self._inner.write_file(name, data, aligned, compress, ready)
+        return self._inner.write_file(name, data, aligned, compress)
 
     def write_chunks(
         self, name: str, chunks: Callable[[], Iterator[bytes | memoryview]], nbytes: int, compress: bool = False

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
 
 from .. import layout
 from ..errors import CheckpointCorruptedError
@@ -131,10 +130,7 @@ class _MemoryStepWriter(StepWriter):
         data: memoryview,
         aligned: bool = False,
         compress: bool = False,
-        ready: Callable[[int], None] | None = None,
     ) -> int:
-        if ready is not None:
-            ready(len(data))
         rel = self._tier._rel(self._step, name)
         self._written.append(rel)
         self._tier.store.put(rel, bytes(data))

@@ -82,15 +82,12 @@ class StepWriter(ABC):
         data: memoryview,
         aligned: bool = False,
         compress: bool = False,
-        ready: Callable[[int], None] | None = None,
     ) -> int:
         """Write the whole file `name` of this step and return the bytes stored.
 
         `aligned` promises that `data` starts on a page boundary and its length is a
         multiple of 4096 (O_DIRECT may be used). `compress` allows the tier to store the
-        file with its `codec` (shard files only; the stored size is then returned).
-        `ready(n)`, if given, blocks until the first `n` bytes of `data` are final: call it
-        before reading each block (the copy into `data` may still be running)."""
+        file with its `codec` (shard files only; the stored size is then returned)."""
 
     def write_chunks(
         self, name: str, chunks: Callable[[], Iterator[bytes | memoryview]], nbytes: int, compress: bool = False

@@ -293,9 +293,7 @@ class LocalTier(Tier):
 
     # -- writing ------------------------------------------------------------------
 
-    def write_file(
-        self, path: str, data: memoryview, aligned: bool, ready: Callable[[int], None] | None = None
-    ) -> None:
+    def write_file(self, path: str, data: memoryview, aligned: bool) -> None:
         if aligned and self.direct_io and len(data) % 4096 == 0:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
@@ -304,7 +302,7 @@ class LocalTier(Tier):
                     raise
             else:
                 try:
-                    self._write_all(fd, data, ready)
+                    self._write_all(fd, data)
                 except OSError as exc:
                     os.close(fd)
                     if exc.errno != errno.EINVAL:
@@ -316,18 +314,16 @@ class LocalTier(Tier):
                     return
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            self._write_all(fd, data, ready)
+            self._write_all(fd, data)
         except BaseException:
             os.close(fd)
             raise
         self._finish(fd)
 
-    def _write_all(self, fd: int, data: memoryview, ready: Callable[[int], None] | None = None) -> None:
+    def _write_all(self, fd: int, data: memoryview) -> None:
         pos, total, block = 0, len(data), self.block_size
         while pos < total:
             n = min(block, total - pos)
-            if ready is not None:
-                ready(pos + n)
             self.limiter.consume(n)
             pos += os.write(fd, data[pos : pos + n])
 
@@ -383,13 +379,9 @@ class _LocalStepWriter(StepWriter):
         data: memoryview,
         aligned: bool = False,
         compress: bool = False,
-        ready: Callable[[int], None] | None = None,
     ) -> int:
         path = os.path.join(self._tmp, name)
-        if ready is None:
-            self._tier.write_file(path, data, aligned)
-        else:
-            self._tier.write_file(path, data, aligned, ready)
+        self._tier.write_file(path, data, aligned)
         return len(data)
 
     def write_chunks(

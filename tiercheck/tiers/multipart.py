@@ -366,21 +366,17 @@ class PartSource(ABC):
 
 
 class ViewSource(PartSource):
-    """Parts of a buffer in memory: slices, no copy. `ready(end)`, if given, blocks until
-    the first `end` bytes of `view` are final (the host buffer may still be filling)."""
+    """Parts of a buffer in memory: slices, no copy."""
 
     uses_buffers = False
 
-    def __init__(self, view: memoryview, ready: Callable[[int], None] | None = None) -> None:
+    def __init__(self, view: memoryview) -> None:
         self._view = view
-        self._ready = ready
         self._pos = 0
 
     def next_part(self, buf: bytearray, n: int) -> memoryview:
         start = self._pos
         end = min(len(self._view), start + n)
-        if self._ready is not None and end > start:
-            self._ready(end)
         self._pos = end
         return self._view[start:end]
 

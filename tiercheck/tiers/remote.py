@@ -352,15 +352,10 @@ class RemoteTier(Tier):
 
         return self._call(f"uploading {path}", put, nbytes)
 
-    def put_bytes(
-        self, path: str, data: memoryview, compress: bool = False, ready: Callable[[int], None] | None = None
-    ) -> int:
+    def put_bytes(self, path: str, data: memoryview, compress: bool = False) -> int:
         compress = compress and self.codec == "zstd"
         if self._parts is not None and not compress and len(data) > (part := self._part_size(len(data))):
-            # parts are slices of `data`; each waits only for its own bytes to be copied in
-            return self._upload_parts(path, multipart.ViewSource(data, ready), part)
-        if ready is not None:  # object stores take whole objects: wait for the copy to finish
-            ready(len(data))
+            return self._upload_parts(path, multipart.ViewSource(data), part)  # slices of `data`, no copy
         if len(data) <= self.block_size and not compress:
 
             def pipe() -> int:
@@ -402,11 +397,10 @@ class _RemoteStepWriter(StepWriter):
         data: memoryview,
         aligned: bool = False,
         compress: bool = False,
-        ready: Callable[[int], None] | None = None,
     ) -> int:
         path = self._tier._path(self._step, name)
         self._written.append(path)
-        return self._tier.put_bytes(path, data, compress, ready)
+        return self._tier.put_bytes(path, data, compress)
 
     def write_chunks(
         self, name: str, chunks: Callable[[], Iterator[bytes | memoryview]], nbytes: int, compress: bool = False
