@@ -421,7 +421,13 @@ def verify(
                 figures.fail(f"{trial}: a Checkpointer that only restored changed tier 1: {before} -> {after}")
             ckpt.prepare(worker.make_state(0))  # a restarted job's first write: sweep, catch up
             ckpt.wait()
-            left = sorted(n for n in (os.listdir(local) if local.is_dir() else []) if layout.is_leftover(n))
+            # The crash's leftovers are gone; trash of a step this session pruned since may still
+            # be freed in the background (the reclaimer), until close() (checked below).
+            left = sorted(
+                n
+                for n in (os.listdir(local) if local.is_dir() else [])
+                if layout.is_leftover(n) and (n in before or not n.startswith(".tiercheck-trash-"))
+            )
             if left:
                 figures.fail(f"{trial}: tier-1 leftovers after a fresh Checkpointer started writing: {left}")
             if remote is not None:
@@ -442,6 +448,9 @@ def verify(
                 ckpt.close()
             except tiercheck.TiercheckError as exc:
                 figures.fail(f"{trial}: the checking Checkpointer failed: {exc}")
+        left = sorted(n for n in (os.listdir(local) if local.is_dir() else []) if layout.is_leftover(n))
+        if left:
+            figures.fail(f"{trial}: tier-1 leftovers after the checking Checkpointer closed: {left}")
     _check_warnings(caught, cut, figures, trial)
 
     # 4. A fresh node (tier 2 alone) restores the newest step listed there.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -111,8 +113,32 @@ def test_wait_returns_only_after_retention_ran(make_ckpt, ckpt_dir, tier_faults)
     tier_faults.delay("delete_step", 0.3)  # widens the window between durable and pruned
     ckpt = make_ckpt(keep_local=1)
     save_steps(ckpt, [1, 2])  # ends with wait()
-    assert step_dirs(ckpt_dir) == [layout.step_dir_name(2)]
+    # The pruned step is gone: only its bytes may still be freed in the background (a trash
+    # directory, never a step directory), and close() waits for that.
+    assert [d for d in step_dirs(ckpt_dir) if not layout.is_leftover(d)] == [layout.step_dir_name(2)]
     assert ckpt.steps() == [2]
+    ckpt.close()
+    assert step_dirs(ckpt_dir) == [layout.step_dir_name(2)]
+
+
+def test_wait_does_not_wait_for_the_bytes_of_a_pruned_step_to_be_freed(make_ckpt, ckpt_dir, tier_faults):
+    # Freeing a deleted multi-GB shard takes seconds on ext4 (docs/performance.md): a step is
+    # durable, and wait() returns, while the reclaimer thread frees the older step's bytes.
+    release = threading.Event()
+    tier_faults.block("reclaim", release)
+    ckpt = make_ckpt(keep_local=1)
+    try:
+        t0 = time.monotonic()
+        save_steps(ckpt, [1, 2, 3])  # ends with wait(); steps 1 and 2 pruned, their reclaim blocked
+        assert time.monotonic() - t0 < 5.0
+        assert ckpt.steps() == [3]
+        leftovers = [d for d in step_dirs(ckpt_dir) if layout.is_leftover(d)]
+        assert leftovers and all(".tiercheck-trash-" in d for d in leftovers)
+        assert tiercheck.load(ckpt_dir)["step"] == 3  # trash is never read
+    finally:
+        release.set()
+        ckpt.close()
+    assert step_dirs(ckpt_dir) == [layout.step_dir_name(3)]
 
 
 def test_keep_local_none_keeps_every_step(make_ckpt, ckpt_dir):

@@ -358,8 +358,15 @@ class TwoTierMachine(RuleBasedStateMachine):
                 alone.save(self._new_step(), small_state(seed)).wait()
             self.contents[step] = seed
             self.on["local"].add(step)
+        debris_left = {n for n in os.listdir(self.local) if layout.is_leftover(n)} if self.local.exists() else set()
         self.ckpt = self._open()
-        left = [n for n in os.listdir(self.local) if layout.is_leftover(n)] if self.local.exists() else []
+        # The kill's leftovers are swept; trash of a step this session pruned since may still
+        # be freed by the reclaimer thread (close() waits for it).
+        left = [
+            n
+            for n in (os.listdir(self.local) if self.local.exists() else [])
+            if layout.is_leftover(n) and (n in debris_left or not n.startswith(".tiercheck-trash-"))
+        ]
         assert left == []
         self.restore_newest()  # what a restarted job does first
 

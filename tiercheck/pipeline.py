@@ -31,6 +31,7 @@ Errors are captured and handed to the caller's thread exactly once.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -145,6 +146,13 @@ class Pipeline:
         self._stager = Worker("tiercheck-stager", self._run_stage, self._idle)
         self._writer = Worker("tiercheck-writer", self._run_local, self._idle, low_priority) if fast else None
         self._uploader = Worker("tiercheck-uploader", self._run_remote, self._idle, low_priority) if durable else None
+        # Freeing a deleted tier-1 step's bytes (seconds for a multi-GB shard on ext4) runs on
+        # a thread of its own that `wait_idle` does not wait for: a step is durable, and
+        # `wait()` returns, without waiting for an older step's bytes to be freed.
+        self._reclaimer: Worker | None = None
+        if fast is not None and fast.capabilities.deferred_reclaim:
+            self._reclaimer = Worker("tiercheck-reclaimer", self._run_reclaim, threading.Condition(), True)
+            fast.set_reclaimer(self._reclaimer.put)
 
     # -- caller side -------------------------------------------------------------
 
@@ -255,6 +263,11 @@ class Pipeline:
                 worker.thread.join(timeout)
         # Last: the workers above may still have finished a step (and queued its callbacks).
         self._tracker.stop_callbacks(timeout)
+        if self._reclaimer is not None:  # after the writer: its last pruning may queue some
+            assert self.fast is not None
+            self.fast.set_reclaimer(None)
+            self._reclaimer.put(STOP)
+            self._reclaimer.thread.join(timeout)
         self._hasher.shutdown(wait=True)
         if (
             self.fast is not None
@@ -268,6 +281,10 @@ class Pipeline:
     def _uploader_put(self, item: object) -> None:
         assert self._uploader is not None
         self._uploader.put(item)
+
+    def _run_reclaim(self, item: object) -> None:
+        assert self.fast is not None and isinstance(item, str)
+        self.fast.reclaim(item)
 
     # -- tier-1 writer ---------------------------------------------------------------
 

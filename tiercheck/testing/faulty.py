@@ -41,6 +41,7 @@ OPERATIONS = frozenset(
         "read_bytes",
         "open_file",
         "delete_step",
+        "reclaim",
         "remove_leftovers",
         "claim_writer",
         "write_file",
@@ -251,6 +252,13 @@ class FaultyTier(Tier):
 
     def release_writer(self) -> None:
         self.inner.release_writer()
+
+    def set_reclaimer(self, reclaimer: Callable[[str], None] | None) -> None:
+        self.inner.set_reclaimer(reclaimer)
+
+    def reclaim(self, token: str) -> None:
+        self._check("reclaim")
+        self.inner.reclaim(token)
 
     def local_dir(self) -> str:
         return self.inner.local_dir()

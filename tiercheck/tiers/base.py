@@ -57,12 +57,16 @@ class Capabilities:
         local_files: the tier is a directory of this machine's filesystem: `local_dir()` is
             its root and `local_file(step, name)` the real path of a committed step's file,
             which the uploader reads from directly (else it reads through `open_file`).
+        deferred_reclaim: `delete_step` hides a step at once and can leave freeing its bytes
+            to a background thread (`set_reclaimer`, `reclaim`): unlinking a multi-GB file
+            takes seconds on ext4, which must not delay the next step's durability.
     """
 
     space_check: bool = False
     strays: bool = False
     writer_lock: bool = False
     local_files: bool = False
+    deferred_reclaim: bool = False
 
 
 def _undeclared(tier: Tier, method: str, flag: str) -> NotImplementedError:
@@ -204,6 +208,17 @@ class Tier(ABC):
     def release_writer(self) -> None:
         """Give up what `claim_writer` took; idempotent. Capability `writer_lock`."""
         raise _undeclared(self, "release_writer", "writer_lock")
+
+    def set_reclaimer(self, reclaimer: Callable[[str], None] | None) -> None:
+        """From now on `delete_step` hides a step and passes what is left to free (an opaque
+        token) to `reclaimer`, which must call `reclaim(token)` later, on any thread; None:
+        free it inline again. Capability `deferred_reclaim`."""
+        raise _undeclared(self, "set_reclaimer", "deferred_reclaim")
+
+    def reclaim(self, token: str) -> None:
+        """Free what a deferred `delete_step` left (paced; never raises). Capability
+        `deferred_reclaim`."""
+        raise _undeclared(self, "reclaim", "deferred_reclaim")
 
     def local_dir(self) -> str:
         """The tier's root as a real directory of this machine. Capability `local_files`."""

@@ -22,6 +22,8 @@ import secrets
 import shutil
 import socket
 import stat
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -63,7 +65,11 @@ class LocalTier(Tier):
         write_rate: optional cap in bytes/s for all writes to this tier.
     """
 
-    capabilities = Capabilities(space_check=True, strays=True, writer_lock=True, local_files=True)
+    capabilities = Capabilities(
+        space_check=True, strays=True, writer_lock=True, local_files=True, deferred_reclaim=True
+    )
+    RECLAIM_STEP = 256 << 20  # bytes freed per truncate when reclaiming a deleted shard
+    RECLAIM_PAUSE_S = 0.005  # between those truncates: the filesystem stays responsive
 
     def __init__(
         self,
@@ -85,6 +91,9 @@ class LocalTier(Tier):
         self.block_size = block_size
         self.limiter = RateLimiter(write_rate)
         self._writer_lock: weakref.finalize[..., LocalTier] | None = None  # closes the lock file
+        self._reclaimer: Callable[[str], None] | None = None
+        self._unreclaimed: set[str] = set()  # trash directories handed to the reclaimer
+        self._reclaim_lock = threading.Lock()
 
     def path_of(self, step: int, name: str | None = None) -> str:
         d = os.path.join(self.root, layout.step_dir_name(step))
@@ -115,6 +124,9 @@ class LocalTier(Tier):
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize
         need = nbytes + nbytes // 100 + (1 << 20)
+        if free < need and self._reclaim_now():  # deleted steps still held space: free it now
+            st = os.statvfs(self.root)
+            free = st.f_bavail * st.f_frsize
         if free < need:
             raise OSError(
                 errno.ENOSPC,
@@ -185,7 +197,41 @@ class LocalTier(Tier):
             return
         if self.fsync:
             fsync_dir(self.root)
-        shutil.rmtree(trash, ignore_errors=True)
+        reclaimer = self._reclaimer
+        if reclaimer is None:
+            shutil.rmtree(trash, ignore_errors=True)
+            return
+        with self._reclaim_lock:
+            self._unreclaimed.add(trash)
+        reclaimer(trash)
+
+    def set_reclaimer(self, reclaimer: Callable[[str], None] | None) -> None:
+        self._reclaimer = reclaimer
+
+    def reclaim(self, token: str) -> None:
+        """Remove trash directory `token`: each file truncated in `RECLAIM_STEP` pieces with a
+        pause between them (ext4 frees a multi-GB file's extents for seconds in one unlink,
+        holding the journal the loop's own reads and writes need), then unlinked."""
+        try:
+            with os.scandir(token) as it:
+                files = [e.path for e in it if e.is_file(follow_symlinks=False)]
+            for path in files:
+                _truncate_paced(path, self.RECLAIM_STEP, self.RECLAIM_PAUSE_S)
+        except OSError:
+            pass  # gone already (check_space reclaimed it), or unreadable: rmtree below
+        shutil.rmtree(token, ignore_errors=True)
+        with self._reclaim_lock:
+            self._unreclaimed.discard(token)
+
+    def _reclaim_now(self) -> bool:
+        """Free every deleted step still waiting for the reclaimer, here; True if any was."""
+        with self._reclaim_lock:
+            pending = list(self._unreclaimed)
+        for token in pending:
+            shutil.rmtree(token, ignore_errors=True)
+            with self._reclaim_lock:
+                self._unreclaimed.discard(token)
+        return bool(pending)
 
     def remove_leftovers(self, owned: Callable[[int | None], bool] | None = None) -> list[str]:
         """Remove temp and trash directories; with `owned`, only the temp directories of the
@@ -506,3 +552,18 @@ class _LocalFile(ReadableFile):
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _truncate_paced(path: str, step: int, pause: float) -> None:
+    """Shrink the file at `path` to nothing, `step` bytes at a time, pausing between."""
+    size = os.stat(path).st_size
+    if size <= step:
+        return
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        while size > step:
+            size -= step
+            os.ftruncate(fd, size)
+            time.sleep(pause)
+    finally:
+        os.close(fd)
