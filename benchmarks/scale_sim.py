@@ -23,14 +23,10 @@ store (a torch TCPStore: one server thread, which every rank talks to):
   `r<i>/why`, and the last rank deletes the candidate's four keys at the end);
 * replicated keys with a node-local tier 1 and a tier 2 (closed form, per node): every
   node writes its own copy to tier 1, rank 0's node uploads the one copy tier 2 gets,
-  and a restore from tier 1 reads nothing from tier 2, against the earlier placement
-  (one copy per job on both tiers);
+  and a restore from tier 1 reads nothing from tier 2;
 * designs tiercheck does not use, for comparison: every rank lists the bucket at
   restore, every rank polls the store with no backoff, a commit that "renames" a
-  temporary prefix (an object store can only copy and delete), and two that earlier
-  versions used: a verdict that carried the marker to every rank, and failed restore
-  rounds in which every rank checked every rank's reason key (W^2 operations), then read
-  every failing rank's reason line (W x W lines when every rank failed);
+  temporary prefix (an object store can only copy and delete);
 * which resource saturates first, and at which W.
 
 The commit phase is a small discrete-event simulation (deterministic: seeded) of every
@@ -48,7 +44,8 @@ Every number depends on the assumptions printed with the output (change them wit
 options below). Treat the results as orders of magnitude and as a way to see which
 term grows fastest, not as predictions for a particular cluster or bucket.
 
-Only the standard library is needed; `--plot PATH` uses matplotlib if installed.
+It imports the protocol's constants from tiercheck (so the package must import); `--plot PATH`
+uses matplotlib if installed.
 """
 
 from __future__ import annotations
@@ -56,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
+import inspect
 import json
 import math
 import random
@@ -67,13 +65,17 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tiercheck.coordination import Coordinator
+from tiercheck.restore import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
+from tiercheck.tiers.remote import RemoteTier
+
 MiB = 1 << 20
-MAX_MARKER_BYTES = 128 << 20  # tiercheck/restore.py: a larger COMMIT is rejected as corrupted
-MAX_WORLD = 1 << 20  # tiercheck/manifest.py: the format's largest world_size
-MULTI_GET_BATCH = 1024  # Coordinator._get_many
+MAX_WORLD = 1 << 20  # tiercheck/manifest.py: the format's largest world_size (a literal there)
+MULTI_GET_BATCH = 1024  # Coordinator._get_many (a literal there)
 LIST_PAGE_KEYS = 1000  # S3 ListObjectsV2 page
 DELETE_BATCH = 1000  # S3 DeleteObjects
 SMALL_REPLY = 4096  # replies below this are not queued behind payloads on the store's link
+_PART_BYTES: int = inspect.signature(RemoteTier).parameters["block_size"].default
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class Assumptions:
     replicated_keys: int = 2  # top-level replicated keys ("model", "optimizer"), taken as equal in size
     node_disk_mbps: float = 2000.0  # one node's tier-1 disk, MB/s (read or write; page cache ignored)
     manifest_kib: float = 200.0  # one rank's manifest (~1000 tensors)
-    part_mib: int = 16  # RemoteTier.block_size: multipart part size (not settable through Checkpointer)
+    part_mib: int = _PART_BYTES >> 20  # RemoteTier's default block_size: multipart part size
     read_mib: int = 64  # _RemoteFile.read_into: one ranged GET
     put_p50_ms: float = 25.0  # object store: PUT / UploadPart / Create / Complete latency, excluding transfer
     put_sigma: float = 0.5  # lognormal shape: p99 = p50 * exp(2.326 * sigma) (= 80 ms at 25 ms, 0.5)
@@ -98,8 +100,8 @@ class Assumptions:
     store_ops: float = 75_000.0  # job store: small operations per second, served one at a time
     store_mbps: float = 2000.0  # job store: payload bytes per second it can send (MB/s)
     store_rtt_ms: float = 0.2  # one store operation's round trip, network and Python included
-    poll_min_ms: float = 2.0  # Coordinator.POLL_MIN
-    poll_max_ms: float = 50.0  # Coordinator.POLL_MAX, per 1000 ranks (see poll_max_s)
+    poll_min_ms: float = Coordinator.POLL_MIN * 1e3
+    poll_max_ms: float = Coordinator.POLL_MAX * 1e3  # per 1000 ranks (see poll_max_s)
     poll_cap_ms: float = 1000.0  # the longest interval Coordinator ever uses
     gpus_per_node: int = 8  # ranks sharing one node-local tier-1 directory (one leader each)
     local_marker_ms: float = 2.0  # node-local COMMIT: write, rename, fsync
@@ -191,17 +193,12 @@ def part_report_bytes(world: int, a: Assumptions) -> int:
     return len(json.dumps(doc))
 
 
-REASONS_KEPT = 3  # Coordinator.REASONS_KEPT: failing ranks whose reason a restore round records
+REASONS_KEPT = Coordinator.REASONS_KEPT  # failing ranks whose reason a restore round records
 
 
 def why_line_bytes(world: int, a: Assumptions) -> int:
     """One failing rank's line in `r<i>/why` (Coordinator.agree_outcome): [rank, reason]."""
     return len(json.dumps([world - 1, "x" * min(500, a.reason_chars)])) + 1
-
-
-def old_why_line_bytes(world: int, a: Assumptions) -> int:
-    """[earlier design] Every failing rank appended [rank, fatal, reason] to `r<i>/why`."""
-    return len(json.dumps([world - 1, False, "x" * min(500, a.reason_chars)])) + 1
 
 
 VERDICT_OK = len(b"ok")  # the `verdict` value of a step that commits
@@ -516,11 +513,6 @@ def commit_counts(world: int, a: Assumptions, node_local: bool) -> dict[str, int
     return {"total": total, "rank0": rank0, "cleanup": cleanup, "sent": gets + small}
 
 
-def old_verdict_bytes(world: int, a: Assumptions) -> int:
-    """[earlier design] The verdict carried the marker ("ok\n" + COMMIT): W-1 ranks fetched it."""
-    return (world - 1) * (marker_bytes(world, a) + 3)
-
-
 def run_world(world: int, a: Assumptions, seeds: Sequence[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"W": world}
     m = marker_bytes(world, a)
@@ -586,8 +578,6 @@ def run_world(world: int, a: Assumptions, seeds: Sequence[int]) -> dict[str, Any
     out["store_resp_backoff_ms"] = 1e3 * med(lambda r: r["pre_resp_backoff"])
     out["store_resp_nobackoff_ms"] = 1e3 * med(lambda r: r["pre_resp_nobackoff"])
     out["leaders_local"] = nodes
-    out["old_verdict_bytes"] = old_verdict_bytes(world, a)
-    out["old_verdict_s"] = out["old_verdict_bytes"] / (a.store_mbps * 1e6)
     out["poll_max_s"] = poll_max_s(world, a)
 
     out["restore"] = restore_model(world, a)
@@ -642,11 +632,6 @@ def restore_model(world: int, a: Assumptions) -> dict[str, Any]:
     out["plan_ops"] = plan_ops
     for label, failing in (("one", 1), ("all", world)):
         out[f"failed_{label}"] = failed_round(world, failing, a)
-    # [earlier design] every rank checked every rank's `why/<r>` key, one `check` each.
-    out["old_failed_round_ops"] = world * world + 4 * world
-    out["old_failed_round_s"] = max(out["old_failed_round_ops"] / a.store_ops, world * rtt)
-    # [earlier design] every failing rank appended its line to r<i>/why, every rank read all.
-    out["old_failed_all"] = old_failed_round(world, world, a)
     out["meta_s"] = meta
     out["marker_download_total_mb"] = world * m / 1e6
     out["data_get_requests"] = world * n_reads
@@ -706,17 +691,6 @@ def failed_round(world: int, failing: int, a: Assumptions, fatal: int = 0) -> di
     return {"ops": ops, "bytes": sent, "s": busy + trips * a.store_rtt_ms / 1e3}
 
 
-def old_failed_round(world: int, failing: int, a: Assumptions) -> dict[str, float]:
-    """[earlier design] Every failing rank appended [rank, fatal, reason] to r<i>/why; every
-    rank added to r<i>/n, checked r<i>/why and got it: failing + 3W operations, and W x
-    failing lines sent (each rank read every failing rank's line); four round trips."""
-    line = old_why_line_bytes(world, a)
-    ops = failing + 3 * world
-    sent = world * failing * line
-    busy = max(ops / a.store_ops, sent / (a.store_mbps * 1e6))
-    return {"ops": ops, "bytes": sent, "s": busy + 4 * a.store_rtt_ms / 1e3}
-
-
 def _first_check_after(t: float, poll_min: float, poll_max: float, rtt: float) -> float:
     """When a poll loop started at 0 (fresh backoff) first sees an event that happened at t."""
     at, delay = 0.0, poll_min
@@ -763,12 +737,7 @@ def replicated_model(world: int, a: Assumptions) -> dict[str, Any]:
     uploaded by the ranks of rank 0's node, balanced over them (at most min(K, g) ranks
     upload), and every other part is retargeted (uploaded without them). A restore of a
     step that every node's tier 1 holds reads nothing from tier 2: each rank reads its
-    part and its node's copy of the replicated keys from its own disk.
-
-    [earlier design]: one copy per job on both tiers, balanced over all W ranks: key i on
-    rank i mod W, so with K <= g every key on rank 0's node. A restoring rank on a node
-    that did not hold every owner failed its tier-1 read and read its whole part (own
-    state and the replicated keys) from tier 2."""
+    part and its node's copy of the replicated keys from its own disk."""
     g = min(a.gpus_per_node, world)
     nodes = math.ceil(world / g)
     s = a.shard_mib * MiB
@@ -780,9 +749,6 @@ def replicated_model(world: int, a: Assumptions) -> dict[str, Any]:
     out: dict[str, Any] = {"nodes": nodes}
     # Tier 1, bytes written per node and step.
     out["tier1_node_bytes"] = g * s + r
-    old_node: Counter[int] = Counter((i % world) // g for i in range(k))
-    out["old_tier1_node0_bytes"] = g * s + old_node[0] * key
-    out["old_tier1_other_bytes"] = g * s + (min(old_node[n] for n in range(1, nodes)) * key if nodes > 1 else 0)
     out["tier1_replicated_s"] = r / disk  # the node's disk writes one more copy of R
     # Tier 2: rank 0's node uploads R (one copy), the other nodes only their own state.
     uploaders = min(k, g)
@@ -795,23 +761,9 @@ def replicated_model(world: int, a: Assumptions) -> dict[str, Any]:
     out["extra_put_requests"] = uploaders * (  # parts for the replicated bytes (whole parts, s3fs)
         math.ceil((s + busiest) / (a.part_mib * MiB)) - math.ceil(s / (a.part_mib * MiB))
     )
-    old_uploaders = min(k, world)
-    out["old_upload_busiest_s"] = (s + _keys_per_rank(k, old_uploaders) * key) / bw
-    out["old_tier2_node0_bytes"] = g * s + old_node[0] * key
     # Restore of a step on every node's tier 1.
     out["restore_node_disk_bytes"] = g * (s + r)  # every rank reads its own state and all of R
     out["restore_node_disk_s"] = g * (s + r) / disk
-    all_on_node0 = old_node[0] == k
-    old_ranks = world - g if all_on_node0 else world
-    per_rank = s + r
-    n_reads = math.ceil(per_rank / (a.read_mib * MiB))
-    get_s = lognormal_mean(a.get_p50_ms, a.get_sigma) / 1e3
-    out["old_restore_tier2_ranks"] = old_ranks
-    out["old_restore_tier2_bytes"] = old_ranks * per_rank
-    out["old_restore_tier2_gets"] = old_ranks * n_reads
-    out["old_restore_tier2_s"] = (
-        max(n_reads * (get_s + a.read_mib * MiB / bw), old_ranks * n_reads / a.get_rate) if old_ranks else 0.0
-    )
     return out
 
 
@@ -822,9 +774,7 @@ def ratios(world: int, a: Assumptions) -> dict[str, float]:
     """Demand over capacity of each shared resource at `world` ranks (closed form, means).
     Above 1 the resource is saturated (rates) or the limit is crossed (sizes, timeouts);
     for the latency terms ('>1 s') the threshold is an arbitrary 1 s added to a save or a
-    restore round. Rows marked [earlier design] are what tiercheck did before the marker
-    got a key of its own and before restore failures were counted in one key, with the
-    reasons of the first three failing ranks only."""
+    restore round."""
     up = mean_upload_s(a)
     per_rank = shard_requests(a) + 1
     rtt = a.store_rtt_ms / 1e3
@@ -835,9 +785,7 @@ def ratios(world: int, a: Assumptions) -> dict[str, float]:
     listing_acc = list_pages(a.accumulated * objects_per_step(world)) * a.list_page_ms / 1e3
     leaders = math.ceil(world / a.gpus_per_node)
     bps = a.store_mbps * 1e6
-    line = old_why_line_bytes(world, a)
     cleanup = (leaders + 6) * (rtt + 1 / a.store_ops)  # check + get verdict, L + 4 deletes, one by one
-    w2 = world * world
     k = REASONS_KEPT
     failed_all = failed_round(world, world, a)["s"]
     return {
@@ -849,9 +797,6 @@ def ratios(world: int, a: Assumptions) -> dict[str, float]:
         f"a restore candidate every rank fails: 5W + {k + 4} store ops, {k} reason lines per rank, >1 s": failed_all,
         f"tier-2 listing with {a.accumulated} steps kept vs remote_timeout": listing_acc / a.remote_timeout_s,
         f"COMMIT size vs the reader's {MAX_MARKER_BYTES >> 20} MiB limit": m / MAX_MARKER_BYTES,
-        "[earlier design] verdict carried the marker to W-1 ranks, >1 s": old_verdict_bytes(world, a) / bps,
-        "[earlier design] a failed restore round: every rank checked W keys (W^2 ops), >1 s": w2 / a.store_ops,
-        "[earlier design] a restore candidate every rank fails: W x W reason lines sent, >1 s": w2 * line / bps,
         "[avoided design] job store ops if every rank polled with no backoff": world / rtt / a.store_ops,
     }
 
@@ -1026,16 +971,13 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
             [
                 _fmt_n(r["W"]),
                 _fmt_n(x["nodes"]),
-                f"{_fmt_b(x['tier1_node_bytes'])} (vs {_fmt_b(x['old_tier1_node0_bytes'])} / "
-                + (f"{_fmt_b(x['old_tier1_other_bytes'])})" if x["nodes"] > 1 else "-)"),
+                _fmt_b(x["tier1_node_bytes"]),
                 f"+{_fmt_s(x['tier1_replicated_s'])}",
-                f"{_fmt_b(x['tier2_node0_bytes'])} / {other} (vs {_fmt_b(x['old_tier2_node0_bytes'])} / {other})",
-                f"{x['uploaders']}: {_fmt_s(x['upload_busiest_s'])} vs {_fmt_s(x['upload_plain_s'])} "
-                f"(vs {_fmt_s(x['old_upload_busiest_s'])}); +{_fmt_n(x['extra_put_requests'])} PUT",
+                f"{_fmt_b(x['tier2_node0_bytes'])} / {other}",
+                f"{x['uploaders']}: {_fmt_s(x['upload_busiest_s'])} vs {_fmt_s(x['upload_plain_s'])}; "
+                f"+{_fmt_n(x['extra_put_requests'])} PUT",
                 f"0 B; {_fmt_b(x['restore_node_disk_bytes'])} from each node's disk, "
                 f"{_fmt_s(x['restore_node_disk_s'])}",
-                f"{_fmt_b(x['old_restore_tier2_bytes'])} by {_fmt_n(x['old_restore_tier2_ranks'])} ranks, "
-                f"{_fmt_n(x['old_restore_tier2_gets'])} GETs ({_fmt_s(x['old_restore_tier2_s'])})",
             ]
         )
     out.append(
@@ -1043,12 +985,11 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
             [
                 "W",
                 "nodes",
-                "tier-1 bytes written per node (vs [earlier]: rank 0's node / another)",
+                "tier-1 bytes written per node",
                 "a node's disk, for its copy of the keys",
-                "tier-2 bytes uploaded: rank 0's node / another (vs [earlier])",
-                "ranks uploading the keys: busiest upload vs a rank's own state only (vs [earlier])",
+                "tier-2 bytes uploaded: rank 0's node / another",
+                "ranks uploading the keys: busiest upload vs a rank's own state only",
                 "restore from tier 1: bytes from tier 2; from disk",
-                "[earlier] restore from tier 1: tier-2 reads by ranks off the owners' node",
             ],
             rows,
         )
@@ -1057,9 +998,7 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
         "",
         f"{a.replicated_mib:g} MiB of replicated keys in {a.replicated_keys} equal keys, {a.gpus_per_node} ranks and "
         "one tier-1 directory per node. Every node now writes its own copy to tier 1; tier 2 still gets one copy, "
-        "all of it from rank 0's node, whose uplink carries it. [earlier]: one copy per job, balanced over all W "
-        "ranks (key i on rank i), so with no more keys than ranks per node all of it on rank 0's node as well, "
-        "and at restore every rank elsewhere read its whole part from tier 2.",
+        "all of it from rank 0's node, whose uplink carries it.",
         "",
         "#### Restore discovery from tier 2 (fresh nodes)",
         "",
@@ -1122,7 +1061,6 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
     rows = []
     for r in results:
         x, c, nb, rn = r["restore"]["kept"], r["commit_shared"], r["commit_nobackoff"], r["rename"]
-        old_all, now_all = r["restore"]["old_failed_all"], r["restore"]["failed_all"]
         rows.append(
             [
                 _fmt_n(r["W"]),
@@ -1133,11 +1071,6 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
                 f"{_fmt_n(r['store_rate_backoff'])}/s, {r['store_resp_backoff_ms']:.2f} ms)",
                 f"{_fmt_s(nb['known_s'])} (vs {_fmt_s(c['known_s'])})",
                 f"{_fmt_n(rn['requests'])} req, +{_fmt_s(rn['added_s'])}, {_fmt_b(rn['bytes_copied_gb'] * 1e9)} copied",
-                f"{_fmt_b(r['old_verdict_bytes'])}, {_fmt_s(r['old_verdict_s'])} (vs {_fmt_b(r['store_sent_shared'])})",
-                f"{_fmt_n(r['restore']['old_failed_round_ops'])} ops, {_fmt_s(r['restore']['old_failed_round_s'])} "
-                f"(vs {_fmt_n(r['restore']['failed_one']['ops'])}, {_fmt_s(r['restore']['failed_one']['s'])})",
-                f"{_fmt_n(old_all['ops'])} ops, {_fmt_b(old_all['bytes'])}, {_fmt_s(old_all['s'])} "
-                f"(vs {_fmt_n(now_all['ops'])}, {_fmt_b(now_all['bytes'])}, {_fmt_s(now_all['s'])})",
             ]
         )
     out.append(
@@ -1148,9 +1081,6 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
                 "commit, polls with no backoff: polls/step, store rate, queueing per op (vs backoff)",
                 "+every rank knows, no backoff",
                 "commit by copy-and-delete 'rename'",
-                "[earlier] verdict carries the marker to W-1 ranks: bytes, link time (vs store bytes now, tier 2)",
-                "[earlier] failed restore round, W^2 checks (vs one rank failing now)",
-                "[earlier] a candidate every rank fails, W x W reason lines: ops, bytes, time (vs now)",
             ],
             rows,
         )
@@ -1161,8 +1091,7 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
         "",
         "Demand over capacity at each W (closed form, mean values); at 1 or more the resource is saturated or the "
         "limit crossed. Rows marked '>1 s' compare a delay with 1 s, an arbitrary threshold. L: leaders "
-        f"({a.gpus_per_node} ranks per node). [earlier design]: what tiercheck did before; [avoided design]: never "
-        "did.",
+        f"({a.gpus_per_node} ranks per node). [avoided design]: what tiercheck never did.",
         "",
     ]
     rows = []
