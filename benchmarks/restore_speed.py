@@ -22,41 +22,17 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from typing import Any
 
 import torch
+from common import drop_tree_cache
 
 import tiercheck
 from tiercheck import layout
 from tiercheck.restore import read_manifest
 from tiercheck.tiers.local import LocalTier
-
-
-def drop_caches(root: str, everything: bool = False) -> str:
-    """Empty the page cache of the files under `root` (of the whole machine if `everything`);
-    return how ("" if it could not)."""
-    if everything:
-        try:
-            subprocess.run(["sync"], check=True)
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return "drop_caches"
-        except OSError:
-            pass
-    if not hasattr(os, "posix_fadvise"):
-        return ""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)  # dirty pages are not evicted
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "fadvise"
 
 
 def make_state(size_gib: float) -> dict[str, torch.Tensor]:
@@ -136,7 +112,7 @@ def measure(size_gib: float, args: argparse.Namespace) -> dict[str, Any]:
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 for t in state.values():
                     t.zero_()
-                how.add(drop_caches(root, args.drop_caches))
+                how.add(drop_tree_cache(root, args.drop_caches))
                 t0 = time.perf_counter()
                 methods[name]()
                 times[name].append(time.perf_counter() - t0)
