@@ -36,13 +36,10 @@ import contextlib
 import gc
 import json
 import math
-import mmap
 import os
-import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,12 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import GIB, KIB, MIB, O_DIRECT, PlainBuffer, machine_info, rotated, summary, write_file
 
-KIB = 1 << 10
-MIB = 1 << 20
-GIB = 1 << 30
 WRITE_BLOCK = 1 * MIB
-O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 TARGETS = {
     "torch_save_over_tiercheck_stall": (">=", 8.0),
@@ -116,86 +110,7 @@ def state_nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-# --------------------------------------------------------------------------- machine
-
-
-def filesystem_of(path: Path) -> dict[str, str]:
-    info = {"fstype": "unknown", "source": "unknown", "mountpoint": "unknown"}
-    try:
-        out = (
-            subprocess.run(["df", "-T", "-P", str(path)], capture_output=True, text=True, check=True)
-            .stdout.strip()
-            .splitlines()
-        )
-        fields = out[-1].split()
-        info = {"source": fields[0], "fstype": fields[1], "mountpoint": fields[-1]}
-    except Exception:
-        # fall back to /proc/mounts: longest mountpoint prefix
-        try:
-            best = ""
-            real = os.path.realpath(path)
-            with open("/proc/mounts") as f:
-                for line in f:
-                    src, mnt, fstype = line.split()[:3]
-                    if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
-                        best = mnt
-                        info = {"source": src, "fstype": fstype, "mountpoint": mnt}
-        except Exception:
-            pass
-    return info
-
-
-def machine_info(target: Path) -> dict[str, Any]:
-    cpu_model = "unknown"
-    with contextlib.suppress(Exception), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    mem_total = None
-    with contextlib.suppress(Exception), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem_total = int(line.split()[1]) * KIB
-                break
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = os.cpu_count()
-    rev = "unknown"
-    with contextlib.suppress(Exception):
-        here = Path(__file__).resolve().parent
-        rev = subprocess.run(
-            ["git", "-C", str(here), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    return {
-        "git_rev": rev,
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": affinity,
-        "cpu_model": cpu_model,
-        "mem_total_gib": round(mem_total / GIB, 1) if mem_total else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_num_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "loadavg_start": os.getloadavg(),
-        "target_dir": str(target),
-        "target_fs": filesystem_of(target),
-    }
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -203,43 +118,6 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     r = fn()
     return time.perf_counter() - t0, r
-
-
-class PlainCopy:
-    """One big uint8 host buffer, allocated and pre-faulted once; per-tensor views."""
-
-    def __init__(self, state: dict[str, torch.Tensor]):
-        total = state_nbytes(state)
-        # anonymous mmap: page-aligned, so the same buffer also serves the O_DIRECT writer
-        self._mm = mmap.mmap(-1, total)
-        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self.buf.fill_(0)  # pre-fault every page outside the timed region
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        off = 0
-        for t in state.values():
-            n = t.numel() * t.element_size()
-            dst = self.buf[off : off + n].view(t.dtype).view(t.shape)
-            self.pairs.append((dst, t))
-            off += n
-        self.nbytes = total
-
-    def copy(self) -> None:
-        for dst, src in self.pairs:
-            dst.copy_(src)
-
-
-def plain_write(buf: torch.Tensor, path: Path, direct: bool = False) -> None:
-    mv = memoryview(buf.numpy()).cast("B")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if direct else 0)
-    fd = os.open(path, flags, 0o644)
-    try:
-        n = len(mv)
-        off = 0
-        while off < n:
-            off += os.write(fd, mv[off : off + WRITE_BLOCK])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def torch_save_fsync(state: dict[str, torch.Tensor], path: Path) -> dict[str, float]:
@@ -251,17 +129,6 @@ def torch_save_fsync(state: dict[str, torch.Tensor], path: Path) -> dict[str, fl
         os.fsync(f.fileno())
     t2 = time.perf_counter()
     return {"serialize": t1 - t0, "fsync": t2 - t1}
-
-
-def stats(xs: list[float]) -> dict[str, float] | None:
-    if not xs:
-        return None
-    return {
-        "median": statistics.median(xs),
-        "min": min(xs),
-        "max": max(xs),
-        "n": len(xs),
-    }
 
 
 # --------------------------------------------------------------------------- benchmark
@@ -282,7 +149,7 @@ class Bench:
         print(f"# building state (~{nbytes / GIB:.3f} GiB fp32) ...", file=sys.stderr)
         self.state = make_state(nbytes, seed=args.seed)
         self.nbytes = state_nbytes(self.state)
-        self.plain = PlainCopy(self.state)
+        self.plain = PlainBuffer(self.state.values())
         self.plain.copy()  # buffer now holds real data for the writer baseline
 
         if not args.no_tiercheck:
@@ -328,17 +195,16 @@ class Bench:
 
     def m_plain_write(self, record: bool) -> None:
         path = self.fresh_path("plain_write.bin")
-        dt, _ = timed(lambda: plain_write(self.plain.buf, path))
+        dt, _ = timed(lambda: write_file(self.plain.buf, path, WRITE_BLOCK, direct=False, sync_dir=False))
         if record:
             self.add("plain_write", dt)
         path.unlink()
 
     def m_plain_write_direct(self, record: bool) -> None:
         path = self.fresh_path("plain_write_direct.bin")
-        try:
-            dt, _ = timed(lambda: plain_write(self.plain.buf, path, direct=True))
-        except OSError as e:  # e.g. EINVAL: filesystem without O_DIRECT
-            self.no_direct = f"{type(e).__name__}: {e}"
+        dt, direct = timed(lambda: write_file(self.plain.buf, path, WRITE_BLOCK, direct=True, sync_dir=False))
+        if not direct:  # EINVAL: a filesystem without O_DIRECT (written buffered instead)
+            self.no_direct = "the filesystem refused O_DIRECT (EINVAL)"
             path.unlink(missing_ok=True)
             return
         if record:
@@ -465,8 +331,7 @@ class Bench:
             for name, fn in ms:
                 self.run_one(name, fn, record=False)
         for r in range(self.args.repeats):
-            k = r % len(ms)
-            order = ms[k:] + ms[:k]  # rotate so no method is always first/last
+            order = rotated(ms, r)  # no method always first or last
             print(f"# repeat {r + 1}/{self.args.repeats}: {[n for n, _ in order]}", file=sys.stderr)
             for name, fn in order:
                 self.run_one(name, fn, record=True)
@@ -525,8 +390,8 @@ def paired_ratio(xs: list[float] | None, ys: list[float] | None) -> float | None
 
 
 def build_report(b: Bench, info: dict[str, Any]) -> dict[str, Any]:
-    st = {k: stats(v) for k, v in b.samples.items()}
-    ex = {k: stats(v) for k, v in b.extra.items()}
+    st = {k: summary(v) for k, v in b.samples.items()}
+    ex = {k: summary(v) for k, v in b.extra.items()}
     s = b.samples
     ratios: dict[str, dict[str, Any]] = {}
     defs = {

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import fsync_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -67,14 +68,6 @@ def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> N
         opt.zero_grad()
         loss.backward()
         opt.step()
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- plain loop

@@ -45,6 +45,7 @@ sys.path.insert(0, REPO)
 
 import fsspec  # noqa: E402
 import torch  # noqa: E402
+from common import drop_file_cache  # noqa: E402
 
 import tiercheck  # noqa: E402
 from tests.servers import SeaweedFS  # noqa: E402
@@ -66,15 +67,6 @@ def make_state(size_mib: int) -> dict[str, torch.Tensor]:
         left -= n
         i += 1
     return state
-
-
-def drop_file_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def git_rev() -> str:
