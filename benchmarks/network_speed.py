@@ -61,7 +61,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 import tiercheck  # noqa: E402
 from tests.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
 from tiercheck import layout  # noqa: E402
-from tiercheck.restore import read_manifest, verify_files  # noqa: E402
+from tiercheck.catalog import read_manifest, verify_files  # noqa: E402
 from tiercheck.tiers.local import LocalTier  # noqa: E402
 
 MiB = 1 << 20

@@ -31,7 +31,7 @@ from common import drop_tree_cache
 
 import tiercheck
 from tiercheck import layout
-from tiercheck.restore import read_manifest
+from tiercheck.catalog import read_manifest
 from tiercheck.tiers.local import LocalTier
 
 

@@ -25,7 +25,7 @@ from tiercheck import layout
 from tiercheck.__main__ import main
 from tiercheck.errors import CheckpointCorruptedError, DirectoryInUseError, UnsupportedStateError
 from tiercheck.progress import terminal_bar
-from tiercheck.restore import read_manifest, verify_files
+from tiercheck.catalog import read_manifest, verify_files
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tools import export_step, import_step, prune_steps, remove_step
 from tiercheck.tools.prune import writers_excluded
