@@ -487,7 +487,8 @@ class Checkpointer:
         the pipeline does not hold the step (the caller may retry it at once)."""
         if overlapped:
             try:
-                stage_into(job.buffer, flat, job.plan, deferred=False)
+                with self._pipeline.copying():
+                    stage_into(job.buffer, flat, job.plan, deferred=False)
             except BaseException:
                 self._pool.release(job.buffer)
                 raise
@@ -500,7 +501,8 @@ class Checkpointer:
         assert job.progress is not None
         self._pipeline.submit(job)
         try:
-            stage_into(job.buffer, flat, job.plan, progress=job.progress)
+            with self._pipeline.copying():
+                stage_into(job.buffer, flat, job.plan, progress=job.progress)
         except BaseException:
             # Off the in-flight list before the writer hears of it: a retry of this step
             # (after Ctrl-C, say) must not meet it there.

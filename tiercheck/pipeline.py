@@ -31,10 +31,11 @@ Errors are captured and handed to the caller's thread exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ from .workers import STOP, Worker
 from .writestep import StagedSave, write_staged
 
 __all__ = ["Pipeline", "StagedSave"]
+
+RECLAIM_PAUSE_S = 0.005  # between two paced pieces of freeing a deleted tier-1 step
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,7 @@ class Pipeline:
         self._writing = False
         self._catch_up_queued = False
         self._closed = False
+        self._copies = 0  # saves copying into host memory now (guarded by `_lock`)
         # The stager keeps normal priority: an optimizer step may be waiting for it.
         init = lower_current_thread if low_priority else None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-checksum", initializer=init)
@@ -152,7 +156,7 @@ class Pipeline:
         self._reclaimer: Worker | None = None
         if fast is not None and fast.capabilities.deferred_reclaim:
             self._reclaimer = Worker("tiercheck-reclaimer", self._run_reclaim, threading.Condition(), True)
-            fast.set_reclaimer(self._reclaimer.put)
+            fast.set_reclaimer(self._reclaimer.put, self._between_reclaims)
 
     # -- caller side -------------------------------------------------------------
 
@@ -224,7 +228,8 @@ class Pipeline:
         job = item.job
         t0 = time.perf_counter()
         try:
-            stage_into(job.buffer, item.flat, job.plan, deferred=True)
+            with self.copying():
+                stage_into(job.buffer, item.flat, job.plan, deferred=True)
         except Exception as exc:
             self._pool.release(job.buffer)
             job.handle._staged.set()
@@ -281,6 +286,25 @@ class Pipeline:
     def _uploader_put(self, item: object) -> None:
         assert self._uploader is not None
         self._uploader.put(item)
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """Around a save's copy into host memory: freeing deleted steps waits meanwhile."""
+        with self._lock:
+            self._copies += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._copies -= 1
+                self._idle.notify_all()
+
+    def _between_reclaims(self) -> None:
+        """Between two paced pieces of freeing a deleted step: a short pause, and no
+        competing with a save's copy for the memory bus and the cores (at most 2 s held)."""
+        time.sleep(RECLAIM_PAUSE_S)
+        with self._idle:
+            self._idle.wait_for(lambda: self._copies == 0, timeout=2.0)
 
     def _run_reclaim(self, item: object) -> None:
         assert self.fast is not None and isinstance(item, str)

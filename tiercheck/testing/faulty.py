@@ -253,8 +253,10 @@ class FaultyTier(Tier):
     def release_writer(self) -> None:
         self.inner.release_writer()
 
-    def set_reclaimer(self, reclaimer: Callable[[str], None] | None) -> None:
-        self.inner.set_reclaimer(reclaimer)
+    def set_reclaimer(
+        self, reclaimer: Callable[[str], None] | None, between: Callable[[], None] | None = None
+    ) -> None:
+        self.inner.set_reclaimer(reclaimer, between)
 
     def reclaim(self, token: str) -> None:
         self._check("reclaim")

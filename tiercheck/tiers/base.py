@@ -209,10 +209,13 @@ class Tier(ABC):
         """Give up what `claim_writer` took; idempotent. Capability `writer_lock`."""
         raise _undeclared(self, "release_writer", "writer_lock")
 
-    def set_reclaimer(self, reclaimer: Callable[[str], None] | None) -> None:
+    def set_reclaimer(
+        self, reclaimer: Callable[[str], None] | None, between: Callable[[], None] | None = None
+    ) -> None:
         """From now on `delete_step` hides a step and passes what is left to free (an opaque
         token) to `reclaimer`, which must call `reclaim(token)` later, on any thread; None:
-        free it inline again. Capability `deferred_reclaim`."""
+        free it inline again. `reclaim` calls `between()` between its paced pieces (the
+        pipeline holds it back while a save copies). Capability `deferred_reclaim`."""
         raise _undeclared(self, "set_reclaimer", "deferred_reclaim")
 
     def reclaim(self, token: str) -> None:

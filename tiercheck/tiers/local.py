@@ -92,6 +92,7 @@ class LocalTier(Tier):
         self.limiter = RateLimiter(write_rate)
         self._writer_lock: weakref.finalize[..., LocalTier] | None = None  # closes the lock file
         self._reclaimer: Callable[[str], None] | None = None
+        self._between: Callable[[], None] | None = None  # called between paced truncates
         self._unreclaimed: set[str] = set()  # trash directories handed to the reclaimer
         self._reclaim_lock = threading.Lock()
 
@@ -205,8 +206,11 @@ class LocalTier(Tier):
             self._unreclaimed.add(trash)
         reclaimer(trash)
 
-    def set_reclaimer(self, reclaimer: Callable[[str], None] | None) -> None:
+    def set_reclaimer(
+        self, reclaimer: Callable[[str], None] | None, between: Callable[[], None] | None = None
+    ) -> None:
         self._reclaimer = reclaimer
+        self._between = between
 
     def reclaim(self, token: str) -> None:
         """Remove trash directory `token`: each file truncated in `RECLAIM_STEP` pieces with a
@@ -216,12 +220,15 @@ class LocalTier(Tier):
             with os.scandir(token) as it:
                 files = [e.path for e in it if e.is_file(follow_symlinks=False)]
             for path in files:
-                _truncate_paced(path, self.RECLAIM_STEP, self.RECLAIM_PAUSE_S)
+                _truncate_paced(path, self.RECLAIM_STEP, self._between or self._pause)
         except OSError:
             pass  # gone already (check_space reclaimed it), or unreadable: rmtree below
         shutil.rmtree(token, ignore_errors=True)
         with self._reclaim_lock:
             self._unreclaimed.discard(token)
+
+    def _pause(self) -> None:
+        time.sleep(self.RECLAIM_PAUSE_S)
 
     def _reclaim_now(self) -> bool:
         """Free every deleted step still waiting for the reclaimer, here; True if any was."""
@@ -554,8 +561,9 @@ class _LocalFile(ReadableFile):
         os.close(self._fd)
 
 
-def _truncate_paced(path: str, step: int, pause: float) -> None:
-    """Shrink the file at `path` to nothing, `step` bytes at a time, pausing between."""
+def _truncate_paced(path: str, step: int, between: Callable[[], None]) -> None:
+    """Shrink the file at `path` to nothing, `step` bytes at a time, calling `between()`
+    after each piece."""
     size = os.stat(path).st_size
     if size <= step:
         return
@@ -564,6 +572,6 @@ def _truncate_paced(path: str, step: int, pause: float) -> None:
         while size > step:
             size -= step
             os.ftruncate(fd, size)
-            time.sleep(pause)
+            between()
     finally:
         os.close(fd)
