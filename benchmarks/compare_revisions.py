@@ -6,7 +6,8 @@ refactor can show that it costs nothing on a noisy machine.
 
 `--base` is a checkout (e.g. ``git worktree add --detach /tmp/base REV``); the other side is
 this checkout. Per run: a state of 32 fp32 tensors (`--size-mib` in all) plus a plain
-value, 8 saves into a fresh tier-1 directory (``keep_local=2``, each waited for), then 3
+value, 8 saves into a fresh tier-1 directory (``--keep-local``, default 2; each waited
+for), then 3
 restores into the live state with the shard files dropped from the page cache first
 (``POSIX_FADV_DONTNEED``). Reported per revision: median stall (``handle.stats.stall_s``),
 median time to durable on tier 1 (``tier_s["local"]``, retention included since each save
@@ -31,6 +32,7 @@ import torch
 import tiercheck
 
 size_mib, n_tensors = int(sys.argv[1]), 32
+keep = int(sys.argv[3]) or None
 per = size_mib * (1 << 20) // 4 // n_tensors
 state = {"model": {f"w{i}": torch.randn(per) for i in range(n_tensors)}, "step": 0}
 root = tempfile.mkdtemp(prefix="tc-rev-", dir=sys.argv[2])
@@ -45,7 +47,7 @@ def drop_cache(d):
                 os.close(fd)
 
 stalls, durable, restores = [], [], []
-with tiercheck.Checkpointer(local=root, keep_local=2, run_log_interval=None) as ckpt:
+with tiercheck.Checkpointer(local=root, keep_local=keep, run_log_interval=None) as ckpt:
     ckpt.prepare(state)
     for step in range(8):
         state["step"] = step
@@ -70,10 +72,10 @@ print(json.dumps({"stall": stalls, "durable": durable, "restore": restores}))
 """
 
 
-def run(checkout: str, size_mib: int, scratch: str) -> dict[str, list[float]]:
+def run(checkout: str, size_mib: int, scratch: str, keep: int) -> dict[str, list[float]]:
     env = dict(os.environ, PYTHONPATH=checkout)
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(size_mib), scratch],
+        [sys.executable, "-c", CHILD, str(size_mib), scratch, str(keep)],
         env=env,
         cwd=checkout,
         check=True,
@@ -89,6 +91,7 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="checkout of the base revision")
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--keep-local", type=int, default=2, help="keep_local of the runs; 0 keeps every step")
     ap.add_argument("--scratch", default=None, help="directory for the tier-1 files (default: a temp dir)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -98,7 +101,7 @@ def main() -> None:
     for i in range(args.repeats):
         order = ["base", "new"] if i % 2 == 0 else ["new", "base"]
         for side in order:
-            got = run(sides[side], args.size_mib, scratch)
+            got = run(sides[side], args.size_mib, scratch, args.keep_local)
             for k, v in got.items():
                 samples[side][k].extend(v)
             print(
@@ -107,7 +110,9 @@ def main() -> None:
                 flush=True,
             )
     load = os.getloadavg()[0]
-    print(f"\n{args.size_mib} MiB, {args.repeats} runs per revision, load average {load:.1f}")
+    print(
+        f"\n{args.size_mib} MiB, keep_local={args.keep_local or None}, {args.repeats} runs each, load {load:.1f}"
+    )
     print("| metric | base (median) | new (median) | new / base |")
     print("|---|---:|---:|---:|")
     report: dict[str, dict[str, float]] = {}
