@@ -21,8 +21,9 @@ import asyncio
 import contextlib
 import socket
 import struct
-import threading
 from typing import TYPE_CHECKING, Any
+
+from .loopserver import LoopServer
 
 if TYPE_CHECKING:
     from .process import ObjectStoreServer
@@ -55,7 +56,7 @@ class _Conn:
                 _rst(w)
 
 
-class FaultProxy:
+class FaultProxy(LoopServer):
     def __init__(
         self,
         target_port: int,
@@ -75,28 +76,11 @@ class FaultProxy:
         self.blackhole = blackhole
         self.refuse = refuse
         self.connect_timeout_s = connect_timeout_s
-        self.host = "127.0.0.1"
-        self.port = 0
         self._conns: set[_Conn] = set()
         self._stats = {"accepted": 0, "refused": 0, "blackholed": 0, "reset": 0, "bytes_up": 0, "bytes_down": 0}
-        self._loop = asyncio.new_event_loop()
-        self._server: asyncio.base_events.Server | None = None
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"FaultProxy->{target_port}", daemon=True)
-        self._thread.start()
-        self._ready.wait(10)
-        if self._start_error is not None:
-            raise self._start_error
-        if not self.port:
-            raise RuntimeError("FaultProxy did not start")
+        self._start(f"FaultProxy->{target_port}", 0)
 
     # --- public -------------------------------------------------------------------------
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
     def clear(self) -> None:
         """All knobs back to 'no fault' (open connections are left alone)."""
         self.latency_s = 0.0
@@ -115,47 +99,10 @@ class FaultProxy:
         fut = asyncio.run_coroutine_threadsafe(self._reset_all(), self._loop)
         return fut.result(10)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-    def __enter__(self) -> FaultProxy:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"<FaultProxy 127.0.0.1:{self.port} -> {self.target_host}:{self.target_port}>"
 
     # --- loop thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._handle, self.host, 0, reuse_address=True)
-            )
-            self.port = self._server.sockets[0].getsockname()[1]
-        except BaseException as e:
-            self._start_error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            self._loop.run_forever()
-        finally:
-            for task in asyncio.all_tasks(self._loop):
-                task.cancel()
-            with contextlib.suppress(Exception):
-                self._loop.run_until_complete(asyncio.sleep(0))
-
     async def _reset_all(self) -> int:
         conns = list(self._conns)
         for c in conns:

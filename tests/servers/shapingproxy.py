@@ -30,6 +30,11 @@ import time
 from collections import deque
 from typing import Any
 
+try:
+    from .loopserver import LoopServer
+except ImportError:  # run as a script: python tests/servers/shapingproxy.py PORT ...
+    from loopserver import LoopServer  # type: ignore[no-redef]
+
 _CHUNK = 64 << 10
 
 
@@ -53,7 +58,7 @@ class _Bucket:
         return max(0.0, self.free_at - now)
 
 
-class ShapingProxy:
+class ShapingProxy(LoopServer):
     """Per-connection bandwidth cap and added round-trip time; see the module docstring."""
 
     def __init__(
@@ -70,74 +75,20 @@ class ShapingProxy:
         self.rate_bps = rate_bps
         self.rtt_s = rtt_s
         self.burst_bytes = burst_bytes
-        self.host = "127.0.0.1"
-        self.port = listen_port
         self._stats = {"accepted": 0, "bytes_up": 0, "bytes_down": 0, "open": 0, "max_open": 0}
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
-        self._closed = False
-        self._server: asyncio.base_events.Server | None = None
-        self._thread = threading.Thread(target=self._run, name=f"ShapingProxy->{target_port}", daemon=True)
-        self._thread.start()
-        self._ready.wait(10)
-        if self._start_error is not None:
-            raise self._start_error
-        if not self.port:
-            raise RuntimeError("ShapingProxy did not start")
-
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        self._start(f"ShapingProxy->{target_port}", listen_port)
 
     def stats(self) -> dict[str, int]:
         """Connections accepted, open now, most open at once, and bytes each way."""
         return dict(self._stats)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-    def __enter__(self) -> ShapingProxy:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         rate = f"{self.rate_bps / 1e6:g} MB/s" if self.rate_bps else "no cap"
         return f"<ShapingProxy :{self.port} -> :{self.target_port}, {rate} per connection, rtt {self.rtt_s * 1e3:g} ms>"
 
     # --- loop thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._handle, self.host, self.port, reuse_address=True)
-            )
-            self.port = self._server.sockets[0].getsockname()[1]
-        except BaseException as e:
-            self._start_error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            self._loop.run_forever()
-        finally:
-            for task in asyncio.all_tasks(self._loop):
-                task.cancel()
-            with contextlib.suppress(Exception):
-                self._loop.run_until_complete(asyncio.sleep(0))
-
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
