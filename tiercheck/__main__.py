@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -36,6 +35,7 @@ from .retry import RetryPolicy
 from .tiers.base import Tier
 from .tiers.open import open_tier
 from .tools import cli as tools_cli
+from .tools.cli import json_object as _json_object
 
 BENCH_ENV = "TIERCHECK_BENCH_SCRIPT"
 
@@ -235,16 +235,6 @@ def _committed(tier: Tier, loc: str) -> list[int]:
             f"{found}check that this is a tier root, as given to local= or remote=",
         )
     return steps
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def _one_line(text: str) -> str:

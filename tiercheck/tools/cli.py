@@ -83,14 +83,15 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON document")
     p.add_argument(
         "--storage-options",
-        type=_json_object,
+        type=json_object,
         default=None,
         metavar="JSON",
         help='fsspec options for URLs, e.g. \'{"endpoint_url": "http://minio:9000"}\'',
     )
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type of ``--storage-options``: a JSON object."""
     try:
         value = json.loads(text)
     except ValueError as exc:
