@@ -120,17 +120,11 @@ class SaveHandle:
             WaitTimeoutError: `timeout` seconds passed first.
             ClosedError: called in a fork() child while the save is pending.
         """
-        self._check_process(not self.done(tier))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for t in self._tiers(tier):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._events[t].wait(left):
-                raise WaitTimeoutError(f"step {self.step} not durable on tier {t!r} after {timeout}s")
-            err = self._errors.get(t)
-            if err is not None:
-                if isinstance(err, TierError):
-                    self._on_error_seen(err)
-                raise err
+        err = self._first_outcome_error(tier, timeout)
+        if err is not None:
+            if isinstance(err, TierError):
+                self._on_error_seen(err)
+            raise err
 
     def exception(self, tier: str | None = None, timeout: float | None = None) -> TiercheckError | None:
         """The error the step ended with on `tier` (the first failing tier if None), or None
@@ -140,14 +134,19 @@ class SaveHandle:
             WaitTimeoutError: `timeout` seconds passed first.
             ClosedError: called in a fork() child while the save is pending.
         """
+        return self._first_outcome_error(tier, timeout)
+
+    def _first_outcome_error(self, tier: str | None, timeout: float | None) -> TiercheckError | None:
+        """Wait for the outcome on each of the tiers in turn; the first error, or None."""
         self._check_process(not self.done(tier))
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._tiers(tier):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._events[t].wait(left):
                 raise WaitTimeoutError(f"step {self.step} not durable on tier {t!r} after {timeout}s")
-            if t in self._errors:
-                return self._errors[t]
+            err = self._errors.get(t)
+            if err is not None:
+                return err
         return None
 
     def add_done_callback(self, fn: DoneCallback) -> None:

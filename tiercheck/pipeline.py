@@ -57,7 +57,6 @@ from .writestep import StagedSave, write_staged
 
 __all__ = ["Pipeline", "StagedSave"]
 
-RECLAIM_PAUSE_S = 0.005  # between two paced pieces of freeing a deleted tier-1 step
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,9 +299,8 @@ class Pipeline:
                 self._idle.notify_all()
 
     def _between_reclaims(self) -> None:
-        """Between two paced pieces of freeing a deleted step: a short pause, and no
-        competing with a save's copy for the memory bus and the cores (at most 2 s held)."""
-        time.sleep(RECLAIM_PAUSE_S)
+        """Between two paced pieces of freeing a deleted step: no competing with a save's
+        copy for the memory bus and the cores (held at most 2 s)."""
         with self._idle:
             self._idle.wait_for(lambda: self._copies == 0, timeout=2.0)
 

@@ -27,7 +27,6 @@ from .catalog import (
     read_manifest,
     read_marker,
 )
-from .catalog import verify_files as verify_files  # re-exported: read through `catalog`
 from .checksum import checksum_stream
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError

@@ -221,15 +221,19 @@ class LocalTier(Tier):
             with os.scandir(token) as it:
                 files = [e.path for e in it if e.is_file(follow_symlinks=False)]
             for path in files:
-                _truncate_paced(path, self.RECLAIM_STEP, self._between or self._pause)
+                _truncate_paced(path, self.RECLAIM_STEP, self._pace)
         except OSError:
             pass  # gone already (check_space reclaimed it), or unreadable: rmtree below
         shutil.rmtree(token, ignore_errors=True)
         with self._reclaim_lock:
             self._unreclaimed.discard(token)
 
-    def _pause(self) -> None:
+    def _pace(self) -> None:
+        """Before each reclaimed piece: a short pause, then the reclaimer's own gate."""
         time.sleep(self.RECLAIM_PAUSE_S)
+        between = self._between
+        if between is not None:
+            between()
 
     def _reclaim_now(self) -> bool:
         """Free every deleted step still waiting for the reclaimer, here; True if any was."""
