@@ -19,6 +19,7 @@ def test_memory_tier_alone_round_trip() -> None:
     with tiercheck.Checkpointer(remote=MemoryTier(store), keep_remote=2) as ckpt:
         for s in (1, 2, 3):
             ckpt.save(s, state(s)).wait()
+        ckpt.wait()  # a handle is done when durable; retention runs after (DESIGN: ckpt.wait)
         assert ckpt.steps() == [2, 3]
     with tiercheck.Checkpointer(remote=MemoryTier(store)) as again:
         got = {"w": torch.zeros(1000), "opt": {0: torch.zeros(7, dtype=torch.int64)}, "step": None}
@@ -32,6 +33,7 @@ def test_memory_tier_as_tier_2_behind_a_local_directory(tmp_path: Path) -> None:
     with tiercheck.Checkpointer(local=tmp_path, remote=MemoryTier(store), keep_local=1) as ckpt:
         for s in (10, 20):
             ckpt.save(s, state(s)).wait()
+        ckpt.wait()  # tier-1 retention runs after the upload that the handle waited for
         assert (ckpt.steps("local"), ckpt.steps("remote")) == ([20], [10, 20])
     # tier 1 lost: restore comes from the memory tier
     with tiercheck.Checkpointer(local=tmp_path / "fresh", remote=MemoryTier(store)) as ckpt:
