@@ -10,6 +10,10 @@ Per repeat, in rotated order, on the same fp32 state (`--tensors` equal tensors)
   previous step included), with `handle.stats` (stall, copy, time to durable on tier 1);
 * tiercheck without pruning: the same with `keep_local` larger than the run (nothing deleted);
 
+Each method's process CPU seconds are recorded too (the process does nothing else): what a
+save would take from a training loop's cores. `--no-keep-all` leaves the run without pruning
+out, so that a larger state fits in memory.
+
 and apart, the parts: the copy alone, CRC-32C of the whole buffer on one thread (wall and
 that thread's CPU seconds), the O_DIRECT write alone, the fsync, and the unlink of a file
 of the state's size (ext4 frees its extents in the unlink call).
@@ -47,8 +51,11 @@ class Run:
         self.plain = PlainBuffer(self.state.values())
         self.crc = checksum_function("crc32c")
         self.keep1 = tiercheck.Checkpointer(local=str(root / "keep1"), keep_local=1)
-        self.keep_all = tiercheck.Checkpointer(local=str(root / "keepall"), keep_local=args.repeats + 2)
-        for c in (self.keep1, self.keep_all):
+        self.ckpts = [self.keep1]
+        if args.keep_all:
+            self.keep_all = tiercheck.Checkpointer(local=str(root / "keepall"), keep_local=args.repeats + 2)
+            self.ckpts.append(self.keep_all)
+        for c in self.ckpts:
             c.prepare(self.state)
         self.samples: dict[str, list[float]] = {}
         self.step = 0
@@ -60,12 +67,13 @@ class Run:
     def naive(self) -> None:
         self.n += 1
         path = self.root / f"naive-{self.n}.bin"
-        t0 = now()
+        c0, t0 = time.process_time(), now()
         self.plain.copy()
         t1 = now()
         write_file(self.plain.buf, path, 8 * MIB)
-        t2 = now()
+        t2, c2 = now(), time.process_time()
         self.add("naive durable", t2 - t0)
+        self.add("naive durable: process CPU s", c2 - c0)
         self.add("naive copy", t1 - t0)
         self.add("naive write+fsync", t2 - t1)
         t3 = now()
@@ -75,13 +83,13 @@ class Run:
 
     def tiercheck(self, ckpt: Any, label: str) -> None:
         self.step += 1
-        t0 = now()
+        c0, t0 = time.process_time(), now()
         h = ckpt.save(self.step, self.state)
         t1 = now()
         h.wait()
         t2 = now()
         ckpt.wait()
-        t3 = now()
+        t3, c3 = now(), time.process_time()
         st = h.stats
         self.add(f"{label}: save() stall", t1 - t0)
         self.add(f"{label}: of it, copy (stats.stage_s)", st.stage_s)
@@ -89,6 +97,7 @@ class Run:
         self.add(f"{label}: durable (handle.wait)", t2 - t0)
         self.add(f"{label}: tier 1 durable (stats.tier_s)", st.tier_s.get("local", float("nan")))
         self.add(f"{label}: ckpt.wait() return (retention done)", t3 - t0)
+        self.add(f"{label}: save() to ckpt.wait(), process CPU s", c3 - c0)
 
     def parts(self) -> None:
         t0 = now()
@@ -102,7 +111,7 @@ class Run:
         self.add("CRC-32C of the state, one thread (CPU s)", time.thread_time() - c0)
 
     def close(self) -> None:
-        for c in (self.keep1, self.keep_all):
+        for c in self.ckpts:
             c.close()
 
 
@@ -112,6 +121,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--dir", default="bench_out")
+    ap.add_argument("--no-keep-all", dest="keep_all", action="store_false", help="leave out the run without pruning")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="durable-parts-", dir=args.dir))
@@ -122,9 +132,10 @@ def main() -> None:
         methods = [
             ("naive", run.naive),
             ("keep1", lambda: run.tiercheck(run.keep1, "tiercheck keep_local=1")),
-            ("keepall", lambda: run.tiercheck(run.keep_all, "tiercheck, no pruning")),
             ("parts", run.parts),
         ]
+        if args.keep_all:
+            methods.insert(2, ("keepall", lambda: run.tiercheck(run.keep_all, "tiercheck, no pruning")))
         for _, fn in methods:  # warm-up: first saves, first files
             fn()
         run.samples.clear()
