@@ -10,13 +10,13 @@ Per repeat, in rotated order, on the same fp32 state (`--tensors` equal tensors)
   previous step included), with `handle.stats` (stall, copy, time to durable on tier 1);
 * tiercheck without pruning: the same with `keep_local` larger than the run (nothing deleted);
 
-Each method's process CPU seconds are recorded too (the process does nothing else): what a
-save would take from a training loop's cores. `--no-keep-all` leaves the run without pruning
-out, so that a larger state fits in memory.
-
 and apart, the parts: the copy alone, CRC-32C of the whole buffer on one thread (wall and
 that thread's CPU seconds), the O_DIRECT write alone, the fsync, and the unlink of a file
 of the state's size (ext4 frees its extents in the unlink call).
+
+Each method's process CPU seconds are recorded too (the process does nothing else): what a
+save would take from a training loop's cores. `--no-keep-all` leaves the run without pruning
+out, so that a larger state fits in memory.
 """
 
 from __future__ import annotations
