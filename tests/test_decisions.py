@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiercheck.checksum import checksum_function, checksum_stream, feed_regions
 from tiercheck.errors import InvalidArgumentError, StepConflictError, UnsupportedStateError
 from tiercheck.manifest import decode_manifest, encode_manifest
 from tiercheck.options import Options
@@ -121,3 +122,24 @@ def test_options_are_validated_once_into_a_frozen_value() -> None:
         Options.validate(**{**args, "local": "/tmp/x", "upload_backlog": "oldest"})
     with pytest.raises(InvalidArgumentError, match="at least one tier"):
         Options.validate(**args)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 16, 64])
+def test_feed_regions_hashes_each_region_whole_whatever_the_chunking(chunk: int) -> None:
+    # regions with gaps, a zero-length one, and regions longer and shorter than a chunk
+    data = bytes(range(256)) * 2
+    spans = [(0, 5), (5, 0), (5, 20), (30, 2), (40, 100), (300, 212)]
+    regions = [((off, n), checksum_function("crc32c")(data[off : off + n])) for off, n in spans]
+    hashers = [checksum_stream("crc32c") for _ in regions]
+    first, completed_at = 0, {}
+    for pos in range(0, len(data), chunk):
+        first, done = feed_regions(regions, hashers, first, pos, memoryview(data)[pos : pos + chunk])
+        for i in done:
+            assert i not in completed_at
+            completed_at[i] = pos
+    assert first == len(regions) and sorted(completed_at) == list(range(len(regions)))
+    assert [h.hexdigest() for h in hashers] == [expected for _, expected in regions]
+    # each region is reported by the chunk holding its last byte (a zero-length one: its offset)
+    for i, (off, n) in enumerate(spans):
+        last = off + n - 1 if n else off
+        assert completed_at[i] == last // chunk * chunk, (i, off, n)

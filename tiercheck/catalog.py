@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
 
 from . import layout
-from .checksum import ALGORITHMS, checksum_function, checksum_stream
+from .checksum import ALGORITHMS, checksum_function, checksum_stream, feed_regions
 from .errors import CheckpointCorruptedError, NoCheckpointError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Marker, decode_manifest, decode_marker
 from .progress import ProgressCallback
@@ -233,15 +233,7 @@ def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCa
                     f.read_into(pos, view[:n])
                 except EOFError as exc:
                     raise CheckpointCorruptedError(str(exc)) from None
-                for i in range(first, len(ordered)):
-                    (off, length), _ = ordered[i]
-                    if off >= pos + n:
-                        break
-                    lo, hi = max(off, pos), min(off + length, pos + n)
-                    if hi > lo:
-                        hashers[i].update(view[lo - pos : hi - pos])
-                    if off + length <= pos + n and i == first:
-                        first += 1
+                first, _ = feed_regions(ordered, hashers, first, pos, view[:n])
                 if progress is not None:
                     done += n
                     progress(done, total)

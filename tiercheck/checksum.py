@@ -9,7 +9,7 @@ Measurements: docs/design.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import crc32c as _crc32c
@@ -55,3 +55,29 @@ def checksum_stream(algorithm: str) -> StreamingChecksum:
         x: StreamingChecksum = xxhash.xxh3_64()
         return x
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+
+
+Region = tuple[tuple[int, int], str]  # ((offset, length), expected digest) in one shard file
+
+
+def feed_regions(
+    regions: Sequence[Region], hashers: Sequence[StreamingChecksum], first: int, pos: int, chunk: memoryview
+) -> tuple[int, list[int]]:
+    """Hash `chunk`, the shard file's bytes from `pos`, into the hashers of the regions it
+    overlaps. `regions` are sorted by offset and do not overlap; those before `first` are
+    complete. Returns the new `first` and the indices of the regions this chunk completed,
+    in order (each region is reported once, by the chunk holding its last byte)."""
+    end = pos + len(chunk)
+    completed: list[int] = []
+    for i in range(first, len(regions)):
+        (off, length), _ = regions[i]
+        if off >= end:
+            break
+        lo, hi = max(off, pos), min(off + length, end)
+        if hi > lo:
+            hashers[i].update(chunk[lo - pos : hi - pos])
+        if off + length <= end:
+            completed.append(i)
+            if i == first:
+                first += 1
+    return first, completed

@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import layout
 from ..catalog import MAX_MARKER_BYTES, read_manifest_with_bytes, read_marker
-from ..checksum import checksum_stream
+from ..checksum import checksum_stream, feed_regions
 from ..errors import CheckpointCorruptedError, NoCheckpointError
 from ..manifest import Manifest
 from ..progress import ProgressCallback
@@ -178,20 +178,13 @@ def _verified_chunks(
                 f.read_into(pos, view[:n])
             except EOFError as exc:
                 raise CheckpointCorruptedError(f"step {step}: {exc}") from None
-            for i in range(first, len(regions)):
+            first, completed = feed_regions(regions, hashers, first, pos, view[:n])
+            for i in completed:
                 (off, size), expected = regions[i]
-                if off >= pos + n:
-                    break
-                lo, hi = max(off, pos), min(off + size, pos + n)
-                if hi > lo:
-                    hashers[i].update(view[lo - pos : hi - pos])
-                if off + size <= pos + n:
-                    if hashers[i].hexdigest() != expected:
-                        raise CheckpointCorruptedError(
-                            f"step {step}: {path}: checksum mismatch in bytes {off}..{off + size}; not uploaded"
-                        )
-                    if i == first:
-                        first += 1
+                if hashers[i].hexdigest() != expected:
+                    raise CheckpointCorruptedError(
+                        f"step {step}: {path}: checksum mismatch in bytes {off}..{off + size}; not uploaded"
+                    )
             yield view[:n]
             advance(n)
     finally:
