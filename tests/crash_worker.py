@@ -77,6 +77,7 @@ KILL_POINTS = (
     "local-marker-written",  # COMMIT in the temp dir, not yet renamed to the step name
     "local-committed",  # renamed and fsynced; the handle does not know yet
     "local-trashed",  # retention renamed a step to trash, data not yet removed
+    "local-spare-taken",  # a deleted step's shard moved into the temp dir, not yet overwritten
     "remote-shard-partial",  # 1 MiB of the shard uploaded
     "remote-manifest-written",  # shard and manifest uploaded, no marker
     "remote-marker-created",  # the marker's temp file exists (file://), still empty
@@ -285,6 +286,25 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
 
         return wrapper
 
+    def local_reclaim(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, token: str) -> None:
+            point("local-trashed", _step_of(os.path.basename(token)))
+            nap(1.0)
+            orig(self, token)
+
+        return wrapper
+
+    def local_into_spare(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, path: str, nbytes: int) -> Any:
+            fd = orig(self, path, nbytes)
+            if fd is not None:  # the old bytes under the new name, in the temp dir
+                say(f"recycled {_step_of(path)}")
+                point("local-spare-taken", _step_of(path))
+                nap(0.5)
+            return fd
+
+        return wrapper
+
     rmtree = shutil.rmtree
 
     def rmtree_paused(path: Any, *a: Any, **k: Any) -> None:
@@ -300,6 +320,11 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
     wrap(local_mod._LocalStepWriter, "abort", local_abort)
     wrap(local_mod.LocalTier, "write_file", local_write_file)
     wrap(local_mod.LocalTier, "delete_step", local_delete)
+    wrap(local_mod.LocalTier, "reclaim", local_reclaim)
+    wrap(local_mod.LocalTier, "_into_spare", local_into_spare)
+    # Recycle this worker's ~3.5 MB shards the way a multi-GB state's are (a deleted step's
+    # shard overwritten in place by a later step), so kills land in the middle of that too.
+    local_mod.LocalTier.RECYCLE_MIN = 1 << 20
     shutil.rmtree = rmtree_paused  # type: ignore[assignment]
 
     if remote_root is None:

@@ -151,6 +151,7 @@ def _crash_at(zygote: Any, tmp_path: Path, point: str, kill_step: int = 1) -> tu
         "local-marker-written",
         "local-committed",
         "local-trashed",
+        "local-spare-taken",
         "remote-shard-partial",
         "remote-manifest-written",
         "remote-marker-created",

@@ -5,6 +5,16 @@ the commit marker is written and fsynced last; the temp directory is fsynced, re
 its step name, and the parent fsynced. Deletion renames the step directory to a trash name (so the
 step, marker included, disappears atomically), fsyncs the parent, then removes it.
 
+Recycling: with a reclaimer (the pipeline's), a deleted step's shard file is not freed but
+kept in its trash directory as a spare, and the next shard of about its size is written over
+it in place (renamed into the new step's temp directory, overwritten with O_DIRECT, trimmed,
+fsynced). Freeing a multi-GB file and allocating a new one are both filesystem work that
+training pays for (ext4 frees extents for seconds; with the `discard` mount option the device
+or hypervisor trims them too); overwriting allocated blocks is neither. PostgreSQL recycles
+its WAL segments for the same reason. At most one shard's worth of spares is held (the
+largest shard this tier wrote), so the disk holds what it holds while a save is written;
+`check_space` counts the spare as free, frees it when short, and `close` frees it.
+
 Ownership: a process writes rank r's part of a directory only while it holds an exclusive
 `flock` on the file ``.tiercheck-lock-rank-<r>`` there (`claim_writer`). The kernel releases
 it when the holder closes it or dies, SIGKILL included, so a killed job never blocks its own
@@ -63,6 +73,9 @@ class LocalTier(Tier):
             newest steps while they are already listed as committed.
         block_size: bytes per write system call (at least 1 MiB).
         write_rate: optional cap in bytes/s for all writes to this tier.
+        recycle: overwrite a deleted step's shard file in place for the next step instead
+            of freeing it and allocating a new one (module docstring). No gain on a
+            copy-on-write filesystem (btrfs, ZFS), where an overwrite allocates anyway.
     """
 
     capabilities = Capabilities(
@@ -70,6 +83,7 @@ class LocalTier(Tier):
     )
     RECLAIM_STEP = 64 << 20  # bytes freed per truncate when reclaiming a deleted shard (~80 ms here)
     RECLAIM_PAUSE_S = 0.005  # between those truncates: the filesystem stays responsive
+    RECYCLE_MIN = 64 << 20  # smaller deleted files are freed, not kept to be overwritten
 
     def __init__(
         self,
@@ -80,6 +94,7 @@ class LocalTier(Tier):
         fsync: bool = True,
         block_size: int = 8 << 20,
         write_rate: float | None = None,
+        recycle: bool = True,
     ) -> None:
         if block_size < (1 << 20) or block_size % 4096:
             raise InvalidArgumentError("block_size must be a multiple of 4096 and at least 1 MiB")
@@ -94,7 +109,10 @@ class LocalTier(Tier):
         self._reclaimer: Callable[[str], None] | None = None
         self._between: Callable[[], None] | None = None  # called between paced truncates
         self._unreclaimed: set[str] = set()  # trash directories handed to the reclaimer
-        self._reclaim_lock = threading.Lock()
+        self._reclaim_lock = threading.Lock()  # guards the two sets above and below
+        self.recycle = recycle and self.direct_io
+        self._spares: list[tuple[str, int]] = []  # (path in a trash directory, size) to overwrite
+        self._largest = 0  # the largest shard written here: the bytes of spares held at most
 
     def path_of(self, step: int, name: str | None = None) -> str:
         d = os.path.join(self.root, layout.step_dir_name(step))
@@ -125,6 +143,7 @@ class LocalTier(Tier):
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize
         need = nbytes + nbytes // 100 + (1 << 20)
+        free += self._reusable(nbytes)  # the spare the shard will overwrite
         if free < need and self._reclaim_now():  # deleted steps still held space: free it now
             st = os.statvfs(self.root)
             free = st.f_bavail * st.f_frsize
@@ -209,22 +228,37 @@ class LocalTier(Tier):
     def set_reclaimer(
         self, reclaimer: Callable[[str], None] | None, between: Callable[[], None] | None = None
     ) -> None:
+        old = self._reclaimer
         self._reclaimer = reclaimer
         self._between = between
+        if reclaimer is None and old is not None:  # closing: the spares go with what is queued
+            for token in self._drop_spares():
+                with self._reclaim_lock:
+                    self._unreclaimed.add(token)
+                old(token)
 
     def reclaim(self, token: str) -> None:
-        """Remove trash directory `token`: each file truncated in `RECLAIM_STEP` pieces, each
-        after `between()` (a pause, and the pipeline holds it back while a save copies:
-        ext4 frees a multi-GB file's extents for seconds in one unlink, on a core and a
-        journal the loop needs), then the emptied files unlinked."""
+        """Free trash directory `token`: its shard kept as a spare to be overwritten (module
+        docstring) while the spares are under one shard's size and a reclaimer is set; every
+        other file truncated in `RECLAIM_STEP` pieces, each after `between()` (a pause, and
+        the pipeline holds it back while a save copies: ext4 frees a multi-GB file's extents
+        for seconds in one unlink, on a core and a journal the loop needs), then unlinked."""
+        kept = False
         try:
             with os.scandir(token) as it:
-                files = [e.path for e in it if e.is_file(follow_symlinks=False)]
-            for path in files:
-                _truncate_paced(path, self.RECLAIM_STEP, self._pace)
+                files = [(e.path, e.stat().st_size) for e in it if e.is_file(follow_symlinks=False)]
+            spare = max(files, key=lambda f: f[1]) if files else None
+            if spare is not None and not self._keep_spare(*spare, hold=False):
+                spare = None
+            for file in files:
+                if file != spare:
+                    _truncate_paced(file[0], self.RECLAIM_STEP, self._pace)
+                    os.unlink(file[0])
+            kept = spare is not None and self._keep_spare(*spare, hold=True)  # last: takeable now
         except OSError:
             pass  # gone already (check_space reclaimed it), or unreadable: rmtree below
-        shutil.rmtree(token, ignore_errors=True)
+        if not kept:
+            shutil.rmtree(token, ignore_errors=True)
         with self._reclaim_lock:
             self._unreclaimed.discard(token)
 
@@ -236,14 +270,84 @@ class LocalTier(Tier):
             between()
 
     def _reclaim_now(self) -> bool:
-        """Free every deleted step still waiting for the reclaimer, here; True if any was."""
+        """Free every deleted step still waiting for the reclaimer, and the spares, here; True
+        if any was."""
         with self._reclaim_lock:
             pending = list(self._unreclaimed)
+        pending += self._drop_spares()
         for token in pending:
             shutil.rmtree(token, ignore_errors=True)
             with self._reclaim_lock:
                 self._unreclaimed.discard(token)
         return bool(pending)
+
+    # -- recycling deleted shards (module docstring) ------------------------------------
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of deleted steps' shards held now to be overwritten by the next step."""
+        with self._reclaim_lock:
+            return sum(n for _, n in self._spares)
+
+    def _keep_spare(self, path: str, size: int, hold: bool) -> bool:
+        """Whether `path` (a file of a trash directory) may be a spare: recycling is on, a
+        reclaimer is set and the spares stay within one shard's size; with `hold`, hold it."""
+        with self._reclaim_lock:
+            held = sum(n for _, n in self._spares)
+            if not self.recycle or self._reclaimer is None or size < self.RECYCLE_MIN or held + size > self._largest:
+                return False
+            if hold:
+                self._spares.append((path, size))
+            return True
+
+    def _pick_spare(self, nbytes: int) -> int | None:
+        """Index of the spare best fit to hold `nbytes` (at most twice as large); guarded."""
+        fits = [(abs(n - nbytes), i) for i, (_, n) in enumerate(self._spares) if n <= 2 * nbytes]
+        return min(fits)[1] if fits else None
+
+    def _reusable(self, nbytes: int) -> int:
+        """Bytes of a spare that a shard of `nbytes` would overwrite instead of allocating."""
+        with self._reclaim_lock:
+            i = self._pick_spare(nbytes)
+            return 0 if i is None else min(self._spares[i][1], nbytes)
+
+    def _take_spare(self, nbytes: int) -> tuple[str, int] | None:
+        with self._reclaim_lock:
+            i = self._pick_spare(nbytes)
+            return None if i is None else self._spares.pop(i)
+
+    def _drop_spares(self) -> list[str]:
+        """Forget every spare; returns their trash directories, for the caller to free."""
+        with self._reclaim_lock:
+            spares, self._spares = self._spares, []
+        return sorted({os.path.dirname(path) for path, _ in spares})
+
+    def _into_spare(self, path: str, nbytes: int) -> int | None:
+        """Move a spare to `path` to be overwritten: an O_DIRECT descriptor of it, or None
+        (no spare fits, or it could not be moved or opened: the caller writes a new file)."""
+        spare = self._take_spare(nbytes)
+        if spare is None:
+            return None
+        old, size = spare
+        try:
+            os.rename(old, path)
+        except OSError:
+            shutil.rmtree(os.path.dirname(old), ignore_errors=True)
+            return None
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(old))  # the trash directory, empty now
+        try:
+            fd = os.open(path, os.O_WRONLY | _O_DIRECT)
+        except OSError:
+            os.unlink(path)
+            return None
+        if size > nbytes:
+            try:
+                os.ftruncate(fd, nbytes)  # a trimmed tail, small beside what is overwritten
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
 
     def remove_leftovers(self, owned: Callable[[int | None], bool] | None = None) -> list[str]:
         """Remove temp and trash directories; with `owned`, only the temp directories of the
@@ -353,8 +457,12 @@ class LocalTier(Tier):
 
     def write_file(self, path: str, data: memoryview, aligned: bool) -> None:
         if aligned and self.direct_io and len(data) % 4096 == 0:
+            with self._reclaim_lock:
+                self._largest = max(self._largest, len(data))
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
+                fd = self._into_spare(path, len(data)) if self.recycle else None
+                if fd is None:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
                     raise
@@ -366,7 +474,7 @@ class LocalTier(Tier):
                     if exc.errno != errno.EINVAL:
                         raise
                     os.unlink(path)
-                    self.direct_io = False  # remember: this filesystem refuses O_DIRECT
+                    self.direct_io = self.recycle = False  # remember: this filesystem refuses O_DIRECT
                 else:
                     self._finish(fd)
                     return

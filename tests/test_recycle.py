@@ -1,0 +1,112 @@
+"""Tier 1 recycles deleted shards: a later step overwrites a pruned step's shard file in place
+instead of the filesystem freeing one file and allocating another (`tiercheck.tiers.local`).
+
+Whether a file was recycled is seen through a hard link the test makes to a step's shard: the
+link keeps the inode whatever tiercheck does, so it is the same file as a later step's shard
+only if that shard was written over it, and it shrinks to nothing if the shard was freed."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tiercheck
+from tiercheck import layout
+from tiercheck.tiers.local import LocalTier
+
+SHARD = layout.shard_name(0, 1)
+
+
+class SmallShards(LocalTier):
+    RECYCLE_MIN = 4096  # the test's shards are a few MiB; a real one is recycled from 64 MiB
+
+
+def state(step: int, nbytes: int = 3 << 20) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g), "step": step}
+
+
+def restored(ckpt: tiercheck.Checkpointer, nbytes: int) -> dict[str, Any]:
+    template = {"w": torch.zeros(nbytes, dtype=torch.uint8), "step": -1}
+    ckpt.restore(template)
+    return template
+
+
+def shard(root: Path, step: int) -> Path:
+    return root / layout.step_dir_name(step) / SHARD
+
+
+def wait_until(cond: Any, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def trash_dirs(root: Path) -> list[str]:
+    return [n for n in os.listdir(root) if n.startswith(layout.TRASH_PREFIX)]
+
+
+def test_a_later_step_overwrites_a_deleted_steps_shard_in_place(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    tier = SmallShards(root)
+    with tiercheck.Checkpointer(local=tier, keep_local=1) as ckpt:
+        ckpt.save(0, state(0)).wait()
+        os.link(shard(root, 0), tmp_path / "step0.shard")
+        ckpt.save(1, state(1)).wait()
+        ckpt.wait()  # step 0 pruned: hidden at once, its shard kept by the reclaimer
+        wait_until(lambda: tier.spare_bytes > 0, "the spare")
+        assert ckpt.steps() == [1] and len(trash_dirs(root)) == 1
+        ckpt.save(2, state(2)).wait()
+        assert os.path.samefile(tmp_path / "step0.shard", shard(root, 2))
+        assert trash_dirs(root) == []  # the emptied trash directory went with its spare
+        got = restored(ckpt, 3 << 20)
+        assert got["step"] == 2 and torch.equal(got["w"], state(2)["w"])
+        assert tiercheck.load(str(root))["w"].equal(state(2)["w"])
+        ckpt.wait()
+        wait_until(lambda: tier.spare_bytes > 0, "step 1's shard as the spare")
+    # close frees the spare it held (paced truncates, then the unlink)
+    assert trash_dirs(root) == []
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [layout.step_dir_name(2)]
+
+
+def test_the_spare_is_trimmed_or_extended_to_a_resized_state(tmp_path: Path) -> None:
+    root, fresh = tmp_path / "t", tmp_path / "fresh"
+    tier = SmallShards(root)
+    sizes = [4 << 20, 6 << 20, 6 << 20, 3 << 20, 3 << 20]  # grows, then shrinks
+    with (
+        tiercheck.Checkpointer(local=tier, keep_local=1) as ckpt,
+        tiercheck.Checkpointer(local=LocalTier(fresh, recycle=False), keep_local=None) as plain,
+    ):
+        for step, n in enumerate(sizes):
+            if step >= 2:
+                wait_until(lambda: tier.spare_bytes > 0, f"a spare before step {step}")
+            ckpt.save(step, state(step, n)).wait()
+            os.link(shard(root, step), tmp_path / f"held-{step}")
+            ckpt.wait()
+            plain.save(step, state(step, n)).wait()
+            assert os.path.getsize(shard(root, step)) == os.path.getsize(shard(fresh, step))
+            got = restored(ckpt, n)
+            assert got["step"] == step and torch.equal(got["w"], state(step, n)["w"])
+    # Each step from 2 on went over the shard of the step two before it: step 2 (6 MiB) over
+    # step 0's 4 MiB, extended; steps 3 and 4 (3 MiB) over 6 MiB ones, trimmed.
+    for step in (2, 3, 4):
+        assert os.path.samefile(tmp_path / f"held-{step - 2}", tmp_path / f"held-{step}"), step
+    assert os.path.getsize(tmp_path / "held-4") == os.path.getsize(shard(fresh, 4))
+
+
+def test_recycle_false_frees_the_deleted_shard(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    with tiercheck.Checkpointer(local=SmallShards(root, recycle=False), keep_local=1) as ckpt:
+        ckpt.save(0, state(0)).wait()
+        os.link(shard(root, 0), tmp_path / "step0.shard")
+        ckpt.save(1, state(1)).wait()
+        ckpt.wait()
+        wait_until(lambda: trash_dirs(root) == [], "step 0's trash directory removed")
+        assert os.path.getsize(tmp_path / "step0.shard") == 0  # truncated, not kept
+        ckpt.save(2, state(2)).wait()
+        assert not os.path.samefile(tmp_path / "step0.shard", shard(root, 2))
