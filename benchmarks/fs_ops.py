@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import GIB, MIB, O_DIRECT, machine_info, rotated
+from common import GIB, MIB, O_DIRECT, fs_text, machine_info, rotated
 
 OPS = ("idle", "crc", "fresh", "overwrite", "unlink", "truncates")
 _STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
@@ -204,7 +204,7 @@ def main() -> None:
                 )
                 time.sleep(2)
     print(f"\n{args.size_gib:g} GiB, {args.repeats} repeats, medians; machine load at start {info['loadavg_start']}")
-    print(f"target: {info['target_fs']}, repo {info['git_rev']}\n")
+    print(f"target: {fs_text(info['target_fs'])}, repo {info['git_rev']}\n")
     cols = ("wall_s", "loop_lost_s", "thread_cpu_s", "user_s", "system_s", "iowait_s", "steal_s")
     print("| operation | " + " | ".join(c.removesuffix("_s").replace("_", " ") + " s" for c in cols) + " |")
     print("|---|" + "---:|" * len(cols))

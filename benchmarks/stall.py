@@ -73,6 +73,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stall_* modules, also under `tiercheck bench`
 
 from common import MIB, machine_info
+from stall_isolate import run_isolated
 from stall_measure import ALL_METHODS, METHOD_CLASSES, Bench, end_child_processes
 from stall_plot import plot
 from stall_report import build_report, naive_writer_table, to_markdown
@@ -124,6 +125,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only rewrite markdown + PNGs from a JSON report")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--isolate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="run each method in processes of its own, K saves each, alternating (with `none` in each), "
+        "merged into one report: for a state whose buffers do not fit twice in memory (no plots)",
+    )
     a = ap.parse_args(argv)
     q = a.quick
 
@@ -163,12 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep["notes"] = [n for n in rep.get("notes", []) if "matplotlib" not in n]
         args.name = args.name_given or Path(args.replot).stem
         return write_outputs(rep, args, out)
+    if args.isolate:
+        args.no_plots = True  # the children's timelines have clocks of their own
     if not args.sizes:
-        return write_outputs(run_one(args), args, out)
+        return write_outputs(measure(args), args, out)
     stem, reps = args.name, []
     for size in args.sizes:
         args.size_gib, args.name = size, f"{stem}_{size:g}g"
-        rep = run_one(args)
+        rep = measure(args)
         write_outputs(rep, args, out)
         reps.append(rep)
         gc.collect()
@@ -176,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / f"{stem}_sizes.md").write_text(md)
     print(md)
     return 0
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    return run_isolated(args) if args.isolate else run_one(args)
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:

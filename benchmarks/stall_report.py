@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common import GIB, fs_text, summary
-from stall_measure import DCP_METHODS, METHOD_CLASSES, TIERCHECK_METHODS, Bench, SaveRecord
+from stall_measure import DCP_METHODS, METHOD_CLASSES, TIERCHECK_METHODS, Bench
 
 TARGETS = (
     # name, numerator (method, metric), denominator (method or "dcp_best", metric), op, value
@@ -29,24 +29,26 @@ TARGETS = (
 )
 
 
+METRIC_NAMES = (  # summarised per method
+    "stall_s",
+    "call_s",
+    "wait_s",
+    "durable_s",
+    "bg_s",
+    "lost_s",
+    "slowdown_s",
+    "cpu_s",
+    "bg_rel_throughput",
+    "bg_steps_per_s",
+    "baseline_steps_per_s",
+    "baseline_step_s",
+    "window_steps",
+)
+
+
 def build_report(b: Bench, info: dict[str, Any], wall_s: float) -> dict[str, Any]:
     a = b.args
     per_method: dict[str, Any] = {}
-    metric_names = (
-        "stall_s",
-        "call_s",
-        "wait_s",
-        "durable_s",
-        "bg_s",
-        "lost_s",
-        "slowdown_s",
-        "cpu_s",
-        "bg_rel_throughput",
-        "bg_steps_per_s",
-        "baseline_steps_per_s",
-        "baseline_step_s",
-        "window_steps",
-    )
     t0 = b.t_start
     for name in a.methods:
         recs = [r for r in b.records if r.method == name]
@@ -57,7 +59,7 @@ def build_report(b: Bench, info: dict[str, Any], wall_s: float) -> dict[str, Any
         }
         if recs:
             ms = [r.metrics() for r in recs]
-            entry["summary"] = {k: summary([m[k] for m in ms]) for k in metric_names}
+            entry["summary"] = {k: summary([m[k] for m in ms]) for k in METRIC_NAMES}
             entry["saves"] = [
                 {
                     "repeat": r.repeat,
@@ -84,35 +86,8 @@ def build_report(b: Bench, info: dict[str, Any], wall_s: float) -> dict[str, Any
         if odw is not None and getattr(odw, "fell_back", False):
             b.ctx.notes.append("odirect_writer: the filesystem refused O_DIRECT; it wrote buffered + fsync")
     dcp_best = _dcp_best(per_method)
-    targets = []
-    for subject in TIERCHECK_METHODS:
-        if "summary" not in per_method.get(subject, {}):
-            continue
-        for label, num_metric, den_method, den_metric, op, val in TARGETS:
-            den_name = dcp_best if den_method == "dcp_best" else den_method
-            t = _ratio(b.records, per_method, subject, num_metric, den_name, den_metric)
-            if t is None:
-                targets.append(
-                    {
-                        "subject": subject,
-                        "target": label,
-                        "limit": "-" if val is None else f"{op} {val}",
-                        "met": None,
-                        "note": f"no {den_method} measurement",
-                    }
-                )
-                continue
-            t.update(
-                {
-                    "subject": subject,
-                    "target": label,
-                    "limit": "-" if val is None else f"{op} {val}",
-                    "denominator": den_name,
-                }
-            )
-            t["met"] = None if val is None else t["of_medians"] <= val
-            t["met_paired"] = None if val is None else t["paired_median"] is not None and t["paired_median"] <= val
-            targets.append(t)
+    rows = [(r.method, r.repeat, r.metrics()) for r in b.records]
+    targets = compute_targets(per_method, rows, dcp_best)
     return {
         "benchmark": "stall",
         "machine": info,
@@ -133,6 +108,7 @@ def build_report(b: Bench, info: dict[str, Any], wall_s: float) -> dict[str, Any
             "methods": list(a.methods),
             "loadavg_end": os.getloadavg(),
             "wall_s": wall_s,
+            "process": os.getpid(),
         },
         "definitions": {
             "stall_s": "time in the save call + waits the method adds before the next optimizer.step()",
@@ -163,8 +139,33 @@ def _dcp_best(per_method: dict[str, Any]) -> str | None:
     return best
 
 
+Row = tuple[str, int, dict[str, Any]]  # method, repeat, that save's metrics
+
+
+def compute_targets(per_method: dict[str, Any], rows: Sequence[Row], dcp_best: str | None) -> list[dict[str, Any]]:
+    """Every target of `TARGETS` for each tiercheck method measured: ratio of medians, and
+    the median of the ratios paired per repeat."""
+    targets: list[dict[str, Any]] = []
+    for subject in TIERCHECK_METHODS:
+        if "summary" not in per_method.get(subject, {}):
+            continue
+        for label, num_metric, den_method, den_metric, op, val in TARGETS:
+            den_name = dcp_best if den_method == "dcp_best" else den_method
+            limit = "-" if val is None else f"{op} {val}"
+            t = _ratio(rows, per_method, subject, num_metric, den_name, den_metric)
+            if t is None:
+                note = f"no {den_method} measurement"
+                targets.append({"subject": subject, "target": label, "limit": limit, "met": None, "note": note})
+                continue
+            t.update({"subject": subject, "target": label, "limit": limit, "denominator": den_name})
+            t["met"] = None if val is None else t["of_medians"] <= val
+            t["met_paired"] = None if val is None else t["paired_median"] is not None and t["paired_median"] <= val
+            targets.append(t)
+    return targets
+
+
 def _ratio(
-    records: list[SaveRecord], per_method: dict[str, Any], num: str, num_metric: str, den: str | None, den_metric: str
+    rows: Sequence[Row], per_method: dict[str, Any], num: str, num_metric: str, den: str | None, den_metric: str
 ) -> dict[str, Any] | None:
     if den is None:
         return None
@@ -173,11 +174,11 @@ def _ratio(
     if not sn or not sd or sd["median"] <= 0:
         return None
     by_rep: dict[int, dict[str, float]] = {}
-    for r in records:
-        if r.method in (num, den):
-            v = r.metrics()[num_metric if r.method == num else den_metric]
+    for method, repeat, metrics in rows:
+        if method in (num, den):
+            v = metrics[num_metric if method == num else den_metric]
             if v is not None:
-                by_rep.setdefault(r.repeat, {})[r.method] = v
+                by_rep.setdefault(repeat, {})[method] = v
     paired = [d[num] / d[den] for d in by_rep.values() if num in d and den in d and d[den] > 0]
     return {
         "numerator": f"{num}.{num_metric}",

@@ -69,3 +69,50 @@ def test_bench_quick_reports_every_method(tmp_path: Path) -> None:
     assert subjects == {"tiercheck", "tiercheck_overlap"}
     if rep.get("images"):
         assert all(Path(p).is_file() for p in rep["images"])
+
+
+def test_isolated_runs_merge_into_one_report() -> None:
+    """`stall.py --isolate K`: the children's reports (one method each, beside `none`) merge
+    with their saves renumbered and the targets recomputed, paired by save index."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from stall_isolate import merge
+        from stall_report import METRIC_NAMES
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def child(pid: int, method: str, lost: list[float]) -> dict[str, object]:
+        def saves(values: list[float]) -> list[dict[str, object]]:
+            return [{**dict.fromkeys(METRIC_NAMES, 1.0), "repeat": i, "lost_s": v} for i, v in enumerate(values)]
+
+        return {
+            "machine": {"pid": pid},
+            "config": {"process": pid, "wall_s": 1.0, "loadavg_end": (pid, 0, 0), "repeats": len(lost)},
+            "definitions": {},
+            "notes": [],
+            "methods": {
+                "none": {"description": "floor", "available": True, "reason": None, "saves": saves([0.0] * len(lost))},
+                method: {"description": method, "available": True, "reason": None, "saves": saves(lost)},
+            },
+        }
+
+    args = argparse.Namespace(methods=["none", "odirect_writer", "tiercheck"], repeats=4, isolate=2)
+    reports = [
+        (0, child(1, "odirect_writer", [2.0, 4.0])),
+        (0, child(2, "tiercheck", [1.0, 8.0])),
+        (2, child(3, "tiercheck", [3.0, 3.0])),
+        (2, child(4, "odirect_writer", [6.0, 6.0])),
+    ]
+    rep = merge(args, reports, 9.0)
+    assert list(rep["methods"]) == ["none", "odirect_writer", "tiercheck"]
+    tc = rep["methods"]["tiercheck"]
+    assert [s["repeat"] for s in tc["saves"]] == [0, 1, 2, 3]
+    assert [s["process"] for s in tc["saves"]] == [2, 2, 3, 3]
+    assert tc["summary"]["lost_s"] == {"median": 3.0, "min": 1.0, "max": 8.0, "n": 4}
+    assert rep["methods"]["none"]["summary"]["lost_s"]["n"] == 8
+    (lost,) = [t for t in rep["targets"] if t["target"] == "lost / naive O_DIRECT writer lost"]
+    assert lost["of_medians"] == 3.0 / 5.0
+    assert lost["paired_median"] == 0.5  # median of 1/2, 8/4, 3/6, 3/6
+    assert rep["config"]["repeats"] == 4 and rep["config"]["loadavg_end"] == (4, 0, 0)
