@@ -161,13 +161,16 @@ class PlainBuffer:
             torch.cuda.synchronize()
 
 
-def write_file(buf: torch.Tensor, path: Path, block: int, direct: bool = True, sync_dir: bool = True) -> bool:
+def write_file(
+    buf: torch.Tensor, path: Path, block: int, direct: bool = True, sync_dir: bool = True, truncate: bool = True
+) -> bool:
     """Write `buf` to a new file in `block`-byte writes, fsync it (and its directory).
 
     With `direct`, O_DIRECT (`buf` page-aligned, its length a multiple of 4 KiB); returns
-    False if the filesystem refused O_DIRECT (then the file was written buffered)."""
+    False if the filesystem refused O_DIRECT (then the file was written buffered). Without
+    `truncate`, an existing file is overwritten in place (its blocks stay allocated)."""
     mv = memoryview(buf.numpy()).cast("B")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
     direct = direct and bool(O_DIRECT)
     try:
         fd = os.open(path, flags | (O_DIRECT if direct else 0), 0o644)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import GIB, MIB, O_DIRECT, fs_text, machine_info, rotated
+from common import GIB, MIB, O_DIRECT, fs_text, machine_info, rotated, write_file
 
 OPS = ("idle", "crc", "fresh", "overwrite", "unlink", "truncates")
 _STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
@@ -73,23 +73,7 @@ class Bench:
         return n / (time.perf_counter() - t0)
 
     def write(self, truncate: bool) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | O_DIRECT | (os.O_TRUNC if truncate else 0)
-        fd = os.open(self.path, flags, 0o644)
-        try:
-            pos = 0
-            while pos < self.size:
-                pos += os.write(fd, self.view[pos : pos + 8 * MIB])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self.sync_dir()
-
-    def sync_dir(self) -> None:
-        fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_file(self.buf, self.path, 8 * MIB, truncate=truncate)
 
     def syncfs(self) -> None:
         fd = os.open(self.root, os.O_RDONLY)

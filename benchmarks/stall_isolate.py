@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common import rotated, summary
-from stall_report import METRIC_NAMES, Row, _dcp_best, compute_targets
+from stall_report import METRIC_NAMES, Row, best_dcp_method, compute_targets
 from stall_workloads import now
 
 # options a child takes over as they are
@@ -93,7 +93,7 @@ def merge(args: argparse.Namespace, reports: list[tuple[int, dict[str, Any]]], w
     for entry in ordered.values():
         if entry["saves"]:
             entry["summary"] = {k: summary(s[k] for s in entry["saves"]) for k in METRIC_NAMES}
-    dcp_best = _dcp_best(ordered)
+    dcp_best = best_dcp_method(ordered)
     first_rep, last_rep = reports[0][1], reports[-1][1]
     config = {
         **first_rep["config"],

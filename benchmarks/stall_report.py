@@ -85,7 +85,7 @@ def build_report(b: Bench, info: dict[str, Any], wall_s: float) -> dict[str, Any
         odw = next((x for x in b.methods if isinstance(x, m)), None)
         if odw is not None and getattr(odw, "fell_back", False):
             b.ctx.notes.append("odirect_writer: the filesystem refused O_DIRECT; it wrote buffered + fsync")
-    dcp_best = _dcp_best(per_method)
+    dcp_best = best_dcp_method(per_method)
     rows = [(r.method, r.repeat, r.metrics()) for r in b.records]
     targets = compute_targets(per_method, rows, dcp_best)
     return {
@@ -130,7 +130,7 @@ def build_report(b: Bench, info: dict[str, Any], wall_s: float) -> dict[str, Any
     }
 
 
-def _dcp_best(per_method: dict[str, Any]) -> str | None:
+def best_dcp_method(per_method: dict[str, Any]) -> str | None:
     best, best_v = None, math.inf
     for name in DCP_METHODS:
         s = per_method.get(name, {}).get("summary", {}).get("lost_s")

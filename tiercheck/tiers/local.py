@@ -287,14 +287,18 @@ class LocalTier(Tier):
     def spare_bytes(self) -> int:
         """Bytes of deleted steps' shards held now to be overwritten by the next step."""
         with self._reclaim_lock:
-            return sum(n for _, n in self._spares)
+            return self._held()
+
+    def _held(self) -> int:
+        """Bytes of the spares held; guarded."""
+        return sum(n for _, n in self._spares)
 
     def _keep_spare(self, path: str, size: int, hold: bool) -> bool:
         """Whether `path` (a file of a trash directory) may be a spare: recycling is on, a
         reclaimer is set and the spares stay within one shard's size; with `hold`, hold it."""
         with self._reclaim_lock:
-            held = sum(n for _, n in self._spares)
-            if not self.recycle or self._reclaimer is None or size < self.RECYCLE_MIN or held + size > self._largest:
+            fits = size >= self.RECYCLE_MIN and self._held() + size <= self._largest
+            if not (self.recycle and self._reclaimer is not None and fits):
                 return False
             if hold:
                 self._spares.append((path, size))
