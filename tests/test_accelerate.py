@@ -139,11 +139,50 @@ def test_save_and_load_state_round_trip_everything_tracked(tmp_path: Path, accel
     assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == before["draws"]
 
 
-def test_load_state_refuses_other_tracked_objects(tmp_path: Path, accelerator: Any) -> None:
-    model = accelerator.prepare(torch.nn.Linear(2, 2))
+def rng_states() -> tuple[Any, ...]:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def assert_same_rng(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
+    assert a[0] == b[0]
+    assert a[1][0] == b[1][0] and np.array_equal(a[1][1], b[1][1]) and a[1][2:] == b[1][2:]
+    assert torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("change", ["register_one_more", "track_one_fewer"])
+def test_load_state_refused_for_other_tracked_objects_changes_nothing(
+    tmp_path: Path, accelerator: Any, change: str
+) -> None:
+    """A checkpoint holding another number of registered objects than the accelerator
+    tracks: `load_state` raises StateMismatchError, and the weights, the optimizer's state,
+    the registered objects and every RNG stream are bit-identical to before the call."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    first = Counter()
+    accelerator.register_for_checkpointing(first)
+    if change == "track_one_fewer":
+        accelerator.register_for_checkpointing(Counter())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
         tc.save_state(accelerator, ckpt, 1).wait()
-        accelerator.register_for_checkpointing(Counter())
-        with pytest.raises(tiercheck.StateMismatchError):
+        # The live objects move on past the checkpoint, so a partial load would show.
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        first.n, first.ema = 5, torch.tensor([4.0, 5.0, 6.0])
+        if change == "register_one_more":
+            accelerator.register_for_checkpointing(Counter())
+        else:
+            accelerator._custom_objects.pop()
+        random.random(), np.random.rand(), torch.rand(3)  # RNG streams past the saved ones
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        opt_state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+        rngs = rng_states()
+        with pytest.raises(tiercheck.StateMismatchError, match="custom"):
             tc.load_state(accelerator, ckpt)
-    assert model.weight.shape == (2, 2)
+        after = rng_states()
+    assert_same_rng(after, rngs)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, opt_state[k]) for k, v in opt.state_dict()["state"][0].items())
+    assert first.n == 5 and torch.equal(first.ema, torch.tensor([4.0, 5.0, 6.0]))

@@ -53,6 +53,7 @@ import torch
 from ..checkpointer import Checkpointer
 from ..errors import InvalidArgumentError, StateMismatchError
 from ..handle import SaveHandle
+from ..state import ROOT, key_path
 
 __all__ = ["REPLICATED", "checkpointer", "load_state", "save_state", "state_of"]
 
@@ -123,20 +124,46 @@ def load_state(accelerator: Any, ckpt: Checkpointer, step: int | None = None, *,
 
     Raises:
         StateMismatchError: the accelerator tracks other objects than the checkpoint holds
-            (another number of models, or of registered objects...).
+            (another number of models, or of registered objects...): raised before any
+            weight, optimizer state or random state is changed.
         NoCheckpointError, CheckpointCorruptedError: as `Checkpointer.restore`.
     """
     state = state_of(accelerator)
-    counts = {k: len(state[k]) for k in ("models", "optimizers", "schedulers", "custom", "dataloaders")}
-    found = ckpt.restore(state, step, strict=strict)
-    if found is None:
-        return None
-    for key, n in counts.items():
-        if len(state[key]) != n:  # restore replaced the list: not these objects
-            raise StateMismatchError(
-                f"step {found}: the checkpoint holds {len(state[key])} {key}, the accelerator tracks {n}"
-            )
-    return found
+    # Each list of tracked objects as a template list that must keep its length: restore
+    # refuses it while binding, before a byte is read or a live object is touched.
+    for kind in _COUNTED:
+        state[kind] = _Tracked(state[kind])
+    try:
+        return ckpt.restore(state, step, strict=strict)
+    except StateMismatchError as exc:
+        key = next((k for k in _COUNTED if str(exc).startswith(f"{key_path(ROOT, k)}: {_Tracked.REFUSED}")), None)
+        if key is None:
+            raise
+        raise StateMismatchError(
+            f"{key_path(ROOT, key)}: the accelerator tracks {len(state[key])} {key}, the checkpoint holds "
+            f"another number (prepare and register the objects the saving job had); nothing was loaded ({exc})"
+        ) from None
+
+
+_COUNTED = ("models", "optimizers", "schedulers", "custom", "dataloaders")
+
+
+class _Tracked(list[Any]):
+    """A restore template for the objects of one kind an accelerator tracks.
+
+    Restore fills a template list of the checkpoint's length element by element, and
+    replaces one of another length, unless the template is stateful: then it refuses while
+    binding. Stateful in name only (it is never saved: `state_of` gives plain lists), so
+    that a checkpoint of another count is refused before anything changes.
+    """
+
+    REFUSED = "the template holds a _Tracked"
+
+    def state_dict(self) -> dict[str, Any]:
+        raise TypeError("a load_state template, never saved")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        raise TypeError("a load_state template: restore fills it as a list")
 
 
 def _check_supported(accelerator: Any) -> None:
