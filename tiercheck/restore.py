@@ -7,7 +7,6 @@ when the whole step verified are plain values written and `load_state_dict` call
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +24,7 @@ from .catalog import (
     first_present_manifest,
     list_committed,
     read_manifest,
-    read_marker,
+    read_marker_and_guess,
 )
 from .checksum import checksum_stream
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
@@ -37,7 +36,7 @@ from .manifest import (
     ShardFile,
     decode_key,
 )
-from .progress import ProgressCallback
+from .progress import ProgressCallback, part_of
 from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
 
@@ -91,9 +90,11 @@ class _Binder:
         # key paths of template keys the checkpoint lacks (an error unless strict=False)
         self.missing: list[str] = parent.missing if parent else []
         # template memory lent to the read: (device, address, shape, strides, dtype) ->
-        # (checkpoint region, key path); and every lent span, for the overlap check
+        # (checkpoint region, key path); every lent span, whose reads `place_lent` plans
+        # once all are known; and the groups of them that overlap in memory
         self.lent: dict[tuple[object, ...], tuple[tuple[object, ...], str]] = parent.lent if parent else {}
-        self.spans: list[tuple[str, int, int, tuple[object, ...], str]] = parent.spans if parent else []
+        self.spans: list[_Lent] = parent.spans if parent else []
+        self.overlaps: list[_Overlap] = parent.overlaps if parent else []
 
     def bind(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
         t = node["t"]
@@ -197,23 +198,49 @@ class _Binder:
         if known is not None:
             return (lambda: tmpl) if known[0] == region else None  # tied on both sides: read once
         self.lent[identity] = (region, path)
-        device, address = str(identity[0]), int(identity[1])  # type: ignore[call-overload]
-        self.spans.append((device, address, address + span, identity, path))
-        return self._into(tmpl, e)
+        device, low = str(identity[0]), int(identity[1])  # type: ignore[call-overload]
+        if isinstance(tmpl, torch.Tensor):
+            strides = tuple(s * tmpl.element_size() for s in tmpl.stride())
+            lent = _Lent(tmpl, e, path, device, low, low + span, low, strides)
+        else:  # numpy and CPU tensors can share memory (torch.from_numpy): one address space
+            start = int(tmpl.__array_interface__["data"][0])
+            lent = _Lent(tmpl, e, path, "cpu", low, low + span, start, tuple(tmpl.strides))
+        self.spans.append(lent)
+        return lent
 
     def _into(self, tmpl: _Target, e: Entry) -> Producer:
         return self._into_tensor(tmpl, e) if isinstance(tmpl, torch.Tensor) else self._into_array(tmpl, e)
 
-    def check_overlaps(self) -> None:
-        """Template tensors that partly overlap (views of one storage) cannot both be filled
-        in place with separate checkpoint values: refuse, naming both key paths."""
-        self.spans.sort(key=lambda sp: (sp[0], sp[1]))
-        for a, b in itertools.pairwise(self.spans):
-            if a[0] == b[0] and b[1] < a[2]:
-                raise StateMismatchError(
-                    f"{a[4]} and {b[4]}: template tensors overlap in memory, but checkpoint step {self.step} "
-                    "holds them as separate values; give the template separate tensors"
-                )
+    def place_lent(self) -> None:
+        """Plan the reads into lent template memory, once binding has lent all of it: in
+        place where a span overlaps no other, else read aside as one `_Overlap` per group of
+        views that overlap (transitively), checked and written only once every byte verified."""
+        group: list[_Lent] = []
+        high = 0
+        for lent in sorted(self.spans, key=lambda sp: (sp.device, sp.low)):
+            if group and (lent.device != group[0].device or lent.low >= high):
+                self._place(group)
+                group = []
+            high = lent.high if not group else max(high, lent.high)
+            group.append(lent)
+        if group:
+            self._place(group)
+
+    def _place(self, group: list[_Lent]) -> None:
+        if len(group) == 1:
+            group[0].produce = self._into(group[0].tmpl, group[0].entry)
+            return
+        odd = next((g for g in group if not _plain_memory(g.tmpl)), None)
+        if odd is not None:
+            others = " and ".join(g.path for g in group if g is not odd)
+            raise StateMismatchError(
+                f"{odd.path} and {others}: template tensors overlap in memory, and {odd.path} is a conjugate, "
+                f"negative or expanded view whose bytes cannot be checked against checkpoint step {self.step}; "
+                "give the template separate tensors"
+            )
+        self.overlaps.append(_Overlap(group, self.step))
+        for g in group:
+            g.produce = _returns(g.tmpl)
 
     def _into_tensor(self, tmpl: torch.Tensor, e: Entry) -> Producer:
         target = tmpl.detach()
@@ -369,6 +396,117 @@ def _array_memory(a: np.ndarray[Any, Any]) -> _Memory | None:
     return ("numpy", low, a.shape, a.strides, a.dtype.str), span
 
 
+@dataclass(slots=True)
+class _Lent:
+    """Template memory lent to the read of `entry`; `produce` is planned by `place_lent`.
+
+    Attributes:
+        low, high: the byte span the value's elements lie in.
+        start, strides: the address of element 0 and the strides, in bytes.
+    """
+
+    tmpl: _Target
+    entry: Entry
+    path: str
+    device: str
+    low: int
+    high: int
+    start: int
+    strides: tuple[int, ...]
+    produce: Producer | None = None
+
+    def __call__(self) -> object:
+        assert self.produce is not None, "place_lent runs before any value is produced"
+        return self.produce()
+
+    def bytes_view(self, scratch: np.ndarray[Any, Any], low: int) -> np.ndarray[Any, Any]:
+        """The value's bytes as they would lie in `scratch`, a copy of memory from `low` on:
+        shape + (element size,), C order like the checkpoint's bytes."""
+        item = self.entry.length // max(1, int(np.prod(self.entry.shape)))
+        view: np.ndarray[Any, Any] = np.ndarray(
+            (*self.entry.shape, item), np.uint8, scratch, self.start - low, (*self.strides, 1)
+        )
+        return view
+
+
+class _Overlap:
+    """Template views that share memory (`b = a[1]`, `base.t()`), the checkpoint holding
+    each as its own value: the values are read aside, then written in key order into a
+    scratch span and read back. Only when every view reads back exactly what was saved
+    (the checkpoint was saved from the same overlapping memory) are they written into the
+    template, and read back there once more; otherwise the restore is refused before any
+    byte of the template changed."""
+
+    def __init__(self, members: list[_Lent], step: int) -> None:
+        self.members = members
+        self.step = step
+        self.staged = [np.empty(m.entry.length, np.uint8) for m in members]
+        self.reads = [_Read(m.entry, _bytes_of(b)) for m, b in zip(members, self.staged, strict=True)]
+
+    def _saved(self, i: int) -> np.ndarray[Any, Any]:
+        m = self.members[i]
+        item = m.entry.length // max(1, int(np.prod(m.entry.shape)))
+        return self.staged[i].reshape(*m.entry.shape, item)
+
+    def check(self) -> None:
+        """Raise StateMismatchError unless one memory state reads back every saved value."""
+        low = min(m.low for m in self.members)
+        scratch = np.zeros(max(m.high for m in self.members) - low, np.uint8)
+        views = [m.bytes_view(scratch, low) for m in self.members]
+        for i, v in enumerate(views):
+            v[...] = self._saved(i)
+        for i, v in enumerate(views):
+            if not np.array_equal(v, self._saved(i)):
+                raise self._disagree(i)
+
+    def _disagree(self, i: int) -> StateMismatchError:
+        m = self.members[i]
+        # a later value in write order overwrote some of this one's bytes
+        later = [o for o in self.members[i + 1 :] if o.low < m.high and m.low < o.high] or [
+            o for o in self.members if o is not m
+        ]
+        return StateMismatchError(
+            f"{m.path} and {later[0].path}: template tensors overlap in memory, and checkpoint step {self.step} "
+            "holds values that disagree where they overlap (it was not saved from memory shared this way); "
+            "give the template separate tensors"
+        )
+
+    def write(self) -> None:
+        """Write the checked values into the template, then read each back (bit-exact)."""
+        for i, m in enumerate(self.members):
+            saved = self.staged[i]
+            if isinstance(m.tmpl, torch.Tensor):
+                value = torch.from_numpy(saved).view(m.tmpl.dtype).reshape(m.tmpl.shape)
+                m.tmpl.detach().copy_(value)
+            else:
+                m.tmpl[...] = saved.view(m.tmpl.dtype).reshape(m.tmpl.shape)
+        for i, m in enumerate(self.members):
+            if isinstance(m.tmpl, torch.Tensor):
+                back = m.tmpl.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            else:
+                back = np.ascontiguousarray(m.tmpl).reshape(-1).view(np.uint8)
+            if not np.array_equal(back, self.staged[i]):
+                raise StateMismatchError(
+                    f"{m.path}: does not read back the value of checkpoint step {self.step} after it was "
+                    "written into the template's overlapping views (was the template changed meanwhile?)"
+                )
+
+
+def _plain_memory(t: _Target) -> bool:
+    """Bytes that are the value: not a conjugate or negative view, no element twice."""
+    if isinstance(t, torch.Tensor):
+        if t.is_conj() or t.is_neg():
+            return False
+        strides = t.stride()
+    else:
+        strides = t.strides
+    return all(st != 0 or n <= 1 for n, st in zip(t.shape, strides, strict=True))
+
+
+def _returns(value: object) -> Producer:
+    return lambda: value
+
+
 def _bytes_of(arr: np.ndarray[Any, Any]) -> memoryview:
     """A writable byte view of a C-contiguous array's memory."""
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
@@ -425,10 +563,13 @@ def prepare_step(
 
     `world_size` is the restoring job's: when it differs from the checkpoint's, only the
     replicated top-level keys can be restored, read through rank 0's manifest."""
-    marker = read_marker(tier, step)
+    marker, guessed = read_marker_and_guess(tier, step, rank, world_size)  # one round trip for both
     resized = world_size is not None and world_size != marker.world_size
     # Resized: any rank's view holds the replicated keys; take the first one this tier has.
-    manifest = first_present_manifest(tier, step, marker) if resized else read_manifest(tier, step, rank, marker)
+    if resized:
+        manifest = first_present_manifest(tier, step, marker)
+    else:
+        manifest = read_manifest(tier, step, rank, marker, guessed)
     tree = manifest.tree
     if world_size is not None and resized:
         tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)
@@ -480,19 +621,21 @@ def prepare_step(
             raise CheckpointCorruptedError(
                 f"{tier.path_of(step)}: cannot allocate what the manifest claims: {exc}"
             ) from None
-        binder.check_overlaps()
+        binder.place_lent()
         if binder.missing and strict:
             raise StateMismatchError(
                 f"{', '.join(binder.missing)}: template key(s) not in the checkpoint (step {step}); "
                 "drop them from the template, or restore(state, strict=False) to leave them as they are"
             )
-        _read_verified(tier, step, files, binder.reads, manifest.checksum_algorithm, progress)
+        _read_overlaps_first(tier, step, files, binder, manifest.checksum_algorithm, progress)
         for f in files.values():
             if isinstance(f, ZstdFile):
                 f.check_end()
     finally:
         for f in files.values():
             f.close()
+    for overlap in binder.overlaps:
+        overlap.write()
     if not binder.missing:
         return produce
     missing = tuple(binder.missing)
@@ -527,6 +670,27 @@ def _replicated_view(
     return {"t": "dict", "k": [k for k, _ in pairs], "v": [v for _, v in pairs]}
 
 
+def _read_overlaps_first(
+    tier: Tier,
+    step: int,
+    files: Mapping[str, ReadableFile],
+    binder: _Binder,
+    algorithm: str,
+    progress: ProgressCallback | None,
+) -> None:
+    """`_read_verified` of every planned read; the values of overlapping template views
+    first, checked for agreement before any read lands in the template, so a refused
+    restore changes nothing."""
+    if not binder.overlaps:
+        _read_verified(tier, step, files, binder.reads, algorithm, progress)
+        return
+    aside = [r for o in binder.overlaps for r in o.reads]
+    first = sum(len(r.dest) for r in aside)
+    total = first + sum(len(r.dest) for r in binder.reads)
+    _read_verified(tier, step, files, aside, algorithm, part_of(progress, 0, total))
+    for overlap in binder.overlaps:
+        overlap.check()
+    _read_verified(tier, step, files, binder.reads, algorithm, part_of(progress, first, total))
 
 
 def _read_verified(
