@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import tiercheck
@@ -65,3 +66,92 @@ def test_sigterm_handler_drains_before_the_process_exits(tmp_path: Path) -> None
     rc = proc.wait(timeout=60)
     assert rc == -signal.SIGTERM  # the default action still happens, after the drain
     assert tiercheck.load(tmp_path)["x"].eq(3.0).all()
+
+
+CLOSE_CHILD = """
+import sys, threading, time, torch, tiercheck
+from tiercheck.testing import Faults, FaultyTier
+from tiercheck.tiers.local import LocalTier
+
+root, fresh, grace, hold = sys.argv[1], sys.argv[2] == "1", float(sys.argv[3]), sys.argv[4] == "hold"
+faults, gate = Faults(), threading.Event()
+faults.block("commit", gate, timeout=120)  # step 3 stays in flight until the test says
+ckpt = tiercheck.Checkpointer(local=FaultyTier(LocalTier(root), faults), keep_local=None)
+ckpt.install_sigterm_handler(grace_s=grace, fresh=fresh)
+ckpt.save(3, {"x": torch.full((100,), 3.0)})
+main = threading.main_thread()
+
+def in_close() -> bool:
+    frame = sys._current_frames().get(main.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "close" and frame.f_code.co_filename.endswith("checkpointer.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+def report() -> None:
+    deadline = time.monotonic() + 120
+    while not in_close() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("in close", flush=True)
+    sys.stdin.readline()  # the test has sent SIGTERM
+    if not hold:
+        gate.set()
+
+threading.Thread(target=report, daemon=True).start()
+ckpt.close()
+print("close returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "drain"])
+def test_sigterm_during_close_is_delivered_once_close_drained(tmp_path: Path, fresh: bool) -> None:
+    """SIGTERM while close() drains a step: close finishes the drain, the step is durable,
+    then the signal does what it did before the handler (terminate); the script does not
+    run on past close()."""
+    proc = close_child(tmp_path, fresh, 120, hold=False)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "in close"
+        assert not (tmp_path / "step-000000000003" / "COMMIT").exists()
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        rest = proc.stdout.read()
+        rc = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert "close returned" not in rest
+    assert rc == -signal.SIGTERM
+    assert tiercheck.load(tmp_path)["x"].eq(3.0).all()  # drained before the signal went on
+
+
+def test_sigterm_during_close_is_delivered_when_the_grace_period_ends(tmp_path: Path) -> None:
+    """A step that cannot become durable within the grace period: close() stops waiting
+    when it ends and the signal terminates the process (the step is never visible)."""
+    proc = close_child(tmp_path, True, 1.0, hold=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "in close"
+        os.kill(proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        rest = proc.stdout.read()
+        rc = proc.wait(timeout=120)
+        elapsed = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert "close returned" not in rest
+    assert rc == -signal.SIGTERM
+    assert elapsed < 60  # the commit gate holds for 120 s: close did not wait for it
+    assert list(tmp_path.glob("step-*/COMMIT")) == []
+
+
+def close_child(tmp_path: Path, fresh: bool, grace: float, *, hold: bool) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", CLOSE_CHILD, str(tmp_path), "1" if fresh else "0", str(grace), "hold" if hold else "go"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )

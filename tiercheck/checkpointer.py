@@ -793,6 +793,7 @@ class Checkpointer:
         me = weakref.ref(self)
         state = SigtermState(grace_s, previous)
         self._trigger.sigterm = state if fresh else None
+        self._trigger.handler = state
 
         def live() -> SaveTrigger | None:
             ckpt = me()
@@ -812,15 +813,35 @@ class Checkpointer:
         In a fork() child of the process that created it, it only detaches the exit-time
         drain and returns: the threads and pending saves are the parent's.
 
+        Under `install_sigterm_handler`, a SIGTERM that lands while close drains (and one
+        the ``fresh=True`` handler noted that no `maybe_save` delivered) is delivered once
+        close has drained, or when its grace period ends first.
+
         Raises:
             TierError: a background save failed since the last sync point (raised once).
         """
         if self._forked():  # no lock: a parent's thread may have held it at the fork
             self._finalizer.detach()
             return
-        if not self._closed:
-            # First without the lock: a done callback may call delete() or metrics().
-            self._pipeline.wait_idle()
+        sig = self._trigger.handler
+        if sig is None or sig.closing or self._closed:
+            self._close(None)
+            return
+        sig.closing = True
+        try:
+            self._close(sig)
+        except BaseException as exc:
+            if sig.undelivered:  # the signal may end the process: say first what failed
+                logger.error("tiercheck: close() failed: %s; delivering SIGTERM now", exc)
+            raise
+        finally:
+            sig.closing = False
+            if sig.undelivered:
+                sig.deliver()
+
+    def _close(self, sig: SigtermState | None) -> None:
+        if not self._closed and not self._wait_closing(sig):
+            return
         with self._lock:
             if self._closed:
                 return
@@ -830,12 +851,30 @@ class Checkpointer:
                 hook.remove()
             self._guards.clear()
             t0 = time.perf_counter()
-            self._pipeline.wait_idle()
+            if not self._wait_closing(sig):
+                return
             self._runlog.close(time.perf_counter() - t0)
-            self._pipeline.wait_idle()  # the run log's last tier-2 write, if it has one
+            if not self._wait_closing(sig):  # the run log's last tier-2 write, if it has one
+                return
             self._pipeline.close()
             self._pool.clear()
             self._raise_background_errors()
+
+    def _wait_closing(self, sig: SigtermState | None) -> bool:
+        """Wait until nothing is pending (without the lock the first time: a done callback
+        may call delete() or metrics()); once a SIGTERM arrived, only until its grace period
+        ends: False then, and close stops there for the signal to be delivered."""
+        if sig is None:
+            return self._pipeline.wait_idle()
+        # In slices: a signal landing during the wait sets the deadline.
+        while not self._pipeline.wait_idle(0.1):
+            if sig.received and time.monotonic() >= sig.deadline:
+                logger.warning(
+                    "tiercheck: SIGTERM's grace period ended during close(); steps still pending: %s",
+                    self._pipeline.in_flight(),
+                )
+                return False
+        return True
 
     # -- restore ---------------------------------------------------------------------
 

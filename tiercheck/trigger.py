@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -32,9 +33,28 @@ class SigtermState:
     received: bool = False
     deadline: float = 0.0
     frame: types.FrameType | None = None
+    closing: bool = False  # close() is draining: it delivers a signal that lands meanwhile
+    delivered: bool = False
+
+    def note(self, frame: types.FrameType | None) -> None:
+        """A SIGTERM arrived: its grace period runs from the first one."""
+        if not self.received:
+            self.deadline = time.monotonic() + self.grace_s
+        self.received = True
+        self.frame = frame
+
+    @property
+    def undelivered(self) -> bool:
+        return self.received and not self.delivered
 
     def deliver(self, frame: types.FrameType | None = None) -> None:
-        """Let SIGTERM do what it did before the handler (main thread only)."""
+        """Let SIGTERM do what it did before the handler. Off the main thread (where signal
+        dispositions cannot be changed), the signal is sent again: the handler delivers it
+        on the main thread, since the Checkpointer is then no longer closing."""
+        if threading.current_thread() is not threading.main_thread():
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.delivered = True
         previous = self.previous
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         if callable(previous):
@@ -56,6 +76,7 @@ class SaveTrigger:
         self.preempt_pending = False  # a SIGTERM asked for a save, not yet published
         self.preempted = False
         self.sigterm: SigtermState | None = None  # set by install_sigterm_handler(fresh=True)
+        self.handler: SigtermState | None = None  # set by install_sigterm_handler, either mode
 
     def saved(self, step: int) -> None:
         """A save of `step` was issued."""
@@ -99,7 +120,7 @@ class SaveTrigger:
     def after_preemption_save(self) -> None:
         """The preemption save is drained: on the rank that received the signal, deliver it."""
         sig = self.sigterm
-        if sig is not None and sig.received:
+        if sig is not None and sig.undelivered:
             sig.deliver()
 
 
@@ -107,15 +128,17 @@ def sigterm_handler(
     state: SigtermState, fresh: bool, target: Callable[[], SaveTrigger | None], drain: Callable[[float], object]
 ) -> Callable[[int, types.FrameType | None], None]:
     """The SIGTERM handler: with `fresh`, note the signal for the next `should_save`; else
-    drain for the grace period and deliver the signal. `target` gives the live trigger (None
+    drain for the grace period and deliver the signal. While `close()` drains (either mode),
+    only note it: close delivers it once drained. `target` gives the live trigger (None
     once the Checkpointer is closed or inherited by a fork child)."""
 
     def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
+        if state.closing:
+            state.note(frame)
+            return
         trigger = target()
         if fresh and trigger is not None:
-            state.received = True
-            state.frame = frame
-            state.deadline = time.monotonic() + state.grace_s
+            state.note(frame)
             trigger.preempt_pending = True
             return
         if trigger is not None:
