@@ -24,7 +24,7 @@ from .catalog import (
     first_present_manifest,
     list_committed,
     read_manifest,
-    read_marker_and_guess,
+    read_marker,
 )
 from .checksum import checksum_stream
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
@@ -563,13 +563,10 @@ def prepare_step(
 
     `world_size` is the restoring job's: when it differs from the checkpoint's, only the
     replicated top-level keys can be restored, read through rank 0's manifest."""
-    marker, guessed = read_marker_and_guess(tier, step, rank, world_size)  # one round trip for both
+    marker = read_marker(tier, step)
     resized = world_size is not None and world_size != marker.world_size
     # Resized: any rank's view holds the replicated keys; take the first one this tier has.
-    if resized:
-        manifest = first_present_manifest(tier, step, marker)
-    else:
-        manifest = read_manifest(tier, step, rank, marker, guessed)
+    manifest = first_present_manifest(tier, step, marker) if resized else read_manifest(tier, step, rank, marker)
     tree = manifest.tree
     if world_size is not None and resized:
         tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)
