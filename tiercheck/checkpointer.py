@@ -573,7 +573,9 @@ class Checkpointer:
         crash midway leaves the step invisible, never half there.
 
         The newest committed step may be deleted too (`latest_step()` is then the one
-        before it); a step still being written or uploaded is refused. In a job, call it on
+        before it); a step still being written or uploaded by a save is refused. A step the
+        start-up catch-up upload is copying (an earlier run's, which no handle tracks) is
+        deleted, from every tier holding it, as soon as that upload ends. In a job, call it on
         every rank: one rank per directory deletes.
 
         Like `save()`, it makes this Checkpointer the writer of its tier-1 directory.

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .coordination import Group
-from .errors import ClosedError, TiercheckError, TierError, UploadSkippedError, tier_error
+from .errors import ClosedError, StepInFlightError, TiercheckError, TierError, UploadSkippedError, tier_error
 from .events import logger
 from .handle import SaveHandle
 from .priority import lower_current_thread
@@ -139,6 +139,9 @@ class Pipeline:
         # Tier-1 retention never deletes them.
         self._catching_up: set[int] = set()
         self._owed: set[int] = set()
+        # Steps `delete_step` was asked to delete while a catch-up upload (which no handle
+        # tracks, so no caller can wait for it) was copying them: deleted when it ends.
+        self._delete_after_upload: set[int] = set()
         self._writing = False
         self._catch_up_queued = False
         self._closed = False
@@ -400,6 +403,10 @@ class Pipeline:
                 self._catching_up.discard(item.step)
                 if error is not None:  # before the step leaves the in-flight list
                     self._owed.add(item.step)
+                doomed = item.step in self._delete_after_upload
+                self._delete_after_upload.discard(item.step)
+            if doomed:
+                self._delete_deferred(item.step)
         if item.handle is not None:
             item.handle.stats.tier_s[tier.name] = time.monotonic() - item.handle.started_at
             self._finish(item.step, tier.name, error)
@@ -588,10 +595,39 @@ class Pipeline:
         return sorted(steps)
 
     def delete_step(self, step: int, tiers: list[Tier]) -> None:
-        """Delete `step` from `tiers` (marker first on each), between retention passes.
+        """Delete `step` from `tiers` (marker first on each), between retention passes. A
+        step a catch-up upload is copying (an earlier run's: no handle to wait for) is
+        deleted from every tier holding it when that upload ends, whoever started it.
 
         Raises:
-            StepInFlightError: `step` is still being written or uploaded.
+            StepInFlightError: `step` is still being written or uploaded by a save.
             TierError: a tier failed; the other tiers were still tried.
         """
-        self._pruner.delete_step(step, tiers, lambda s: s in self._tracks or self._uploading == s)
+        while True:
+            with self._lock:
+                if self._uploading == step and step not in self._tracks:
+                    self._delete_after_upload.add(step)  # a catch-up upload: deleted when it ends
+                    return
+            try:
+                self._pruner.delete_step(step, tiers, lambda s: s in self._tracks or self._uploading == s)
+                return
+            except StepInFlightError:
+                with self._lock:
+                    if step in self._tracks or self._uploading != step:
+                        raise
+                # else a catch-up upload of it started meanwhile: defer, as above
+
+    def _delete_deferred(self, step: int) -> None:
+        """Delete `step` (its catch-up upload just ended) from every tier this rank deletes
+        from that holds it now, tier 2 included if the upload committed it there."""
+        tiers = [t for t in (self.fast, self.durable) if t is not None]
+        tiers = [t for t in tiers if self._group is None or self._group.leads(t.name)]
+        try:
+            tiers = [t for t in tiers if step in t.committed_steps()]
+            self._pruner.delete_step(step, tiers, lambda s: s in self._tracks)
+        except StepInFlightError:  # saved again meanwhile (a new branch): that save's now
+            logger.info("tiercheck: not deleting step %d after its upload: it is being saved again", step)
+        except TierError as exc:
+            self._report(exc)
+        except Exception as exc:
+            logger.warning("tiercheck: could not delete step %d after its upload: %r", step, exc)
