@@ -4,7 +4,10 @@ checkpoint tools ``inspect``, ``export``, ``import``, ``upload``, ``prune``, ``r
 
 Exit status: 0 every step checked is intact, 1 a step is damaged, 2 nothing was checked (bad
 usage, a missing location or step, nothing committed there, an unreachable store); such an
-error is one line on stderr: ``tiercheck: <what failed>: <where>: <what to check>``.
+error is one line on stderr: ``tiercheck: <what failed>: <where>: <what to check>``. A step
+deleted while it was read (``verify`` or ``ls`` beside a job whose retention prunes) is not
+damaged: ``verify`` says ``step N: pruned while it was read`` and counts it neither way (2 if
+every step it was to check went), ``ls`` leaves it out.
 
 ``tiercheck bench`` runs the stall benchmark, ``benchmarks/stall.py``, which lives in the
 source checkout (it is not part of the installed package): the script is found next to the
@@ -26,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, cli_goodput
-from .catalog import present_manifests, read_marker, verify_files
-from .errors import CheckpointCorruptedError, TiercheckError
+from .catalog import present_manifests, read_marker, reading_committed, verify_files
+from .errors import CheckpointCorruptedError, StepPrunedError, TiercheckError
 from .manifest import Manifest, Marker
 from .options import with_timeouts as _with_timeouts
 from .progress import part_of, terminal_bar
@@ -74,7 +77,8 @@ def run_bench(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status: 0 every step checked is intact, 1 a
     step is damaged, 2 nothing could be checked (bad usage, the location or step is missing,
-    the store cannot be reached). Errors are one line on stderr, never a traceback."""
+    the store cannot be reached, every step to verify was deleted while it was read). Errors
+    are one line on stderr, never a traceback."""
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["bench"]:
         return run_bench(args_in[1:])
@@ -84,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="tiercheck",
         description="Inspect tiercheck checkpoints; benchmark saves.",
         epilog="Exit status: 0 ok, 1 a step is damaged, 2 nothing checked (usage, location or step "
-        "not found, store unreachable).",
+        "not found, store unreachable, every step to verify deleted while it was read).",
     )
     ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -149,14 +153,19 @@ def _run(args: argparse.Namespace) -> int:
         bad = 0
         for step in steps:
             try:
-                marker = read_marker(tier, step)
-                manifests = list(present_manifests(tier, step, marker))
+                with reading_committed(tier, step):
+                    marker = read_marker(tier, step)
+                    manifests = list(present_manifests(tier, step, marker))
+                    if not manifests:
+                        raise CheckpointCorruptedError(f"{tier.path_of(step)}: no rank's manifest is present")
                 size = sum(f.size_on_tier for m in manifests for f in m.files)
                 entries = sum(len(m.entries) for m in manifests)
                 print(
                     f"{step}\t{_ranks(manifests, marker.world_size)}\t{entries} entries\t{size} bytes"
                     f"\t{tier.path_of(step)}{_metrics_column(marker)}"
                 )
+            except StepPrunedError:
+                continue  # deleted since it was listed (a job's retention): no longer committed
             except TiercheckError as exc:
                 bad += 1
                 print(f"{step}\tUNREADABLE: {exc}")
@@ -169,23 +178,36 @@ def _run(args: argparse.Namespace) -> int:
         )
     targets = steps if args.step is None else [args.step]
     bad = 0
+    pruned = 0
     for step in targets:
         try:
-            marker = read_marker(tier, step)
-            manifests = list(present_manifests(tier, step, marker))
-            if not manifests:
-                raise CheckpointCorruptedError(f"{tier.path_of(step)}: no rank's manifest is present")
-            total = sum(sf.length for m in manifests for sf in m.files)
-            before = 0
-            with terminal_bar(f"verify step {step}") as progress:
-                for m in manifests:
-                    verify_files(tier, step, m, part_of(progress, before, total))
-                    before += sum(sf.length for sf in m.files)
-            print(f"step {step}: ok ({_ranks(manifests, marker.world_size)})")
+            with reading_committed(tier, step):
+                ranks = _verify_step(tier, step)
+            print(f"step {step}: ok ({ranks})")
+        except StepPrunedError:  # a job's retention beside this reader: gone, not damaged
+            pruned += 1
+            print(f"step {step}: pruned while it was read (no longer committed there; not damaged)")
         except TiercheckError as exc:
             bad += 1
             print(f"step {step}: FAILED: {_one_line(str(exc))}")
-    return 1 if bad else 0
+    if bad:
+        return 1
+    return 2 if pruned == len(targets) else 0  # every step went: nothing was checked
+
+
+def _verify_step(tier: Tier, step: int) -> str:
+    """Read every byte of `step`'s parts on `tier` against its checksums; returns its ranks."""
+    marker = read_marker(tier, step)
+    manifests = list(present_manifests(tier, step, marker))
+    if not manifests:
+        raise CheckpointCorruptedError(f"{tier.path_of(step)}: no rank's manifest is present")
+    total = sum(sf.length for m in manifests for sf in m.files)
+    before = 0
+    with terminal_bar(f"verify step {step}") as progress:
+        for m in manifests:
+            verify_files(tier, step, m, part_of(progress, before, total))
+            before += sum(sf.length for sf in m.files)
+    return _ranks(manifests, marker.world_size)
 
 
 def _metrics_column(marker: Marker) -> str:

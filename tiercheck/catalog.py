@@ -7,13 +7,14 @@ read steps through here.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
 
 from . import layout
 from .checksum import ALGORITHMS, checksum_function, checksum_stream, feed_regions
-from .errors import CheckpointCorruptedError, NoCheckpointError
+from .errors import CheckpointCorruptedError, NoCheckpointError, StepPrunedError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Marker, decode_manifest, decode_marker
 from .progress import ProgressCallback
 from .tiers.base import ReadableFile, Tier
@@ -25,9 +26,11 @@ __all__ = [
     "ZstdFile",
     "list_committed",
     "present_manifests",
+    "pruned_while_read",
     "read_manifest",
     "read_manifest_with_bytes",
     "read_marker",
+    "reading_committed",
     "verify_files",
 ]
 
@@ -244,6 +247,45 @@ def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCa
         for ((off, length), expected), h in zip(ordered, hashers, strict=True):
             if h.hexdigest() != expected:
                 raise CheckpointCorruptedError(f"{path}: checksum mismatch in bytes {off}..{off + length}")
+
+
+def pruned_while_read(tier: Tier, step: int, failure: BaseException) -> StepPrunedError | None:
+    """After a read of committed `step` failed with `failure`: a `StepPrunedError` if the step
+    is no longer committed there (deleted meanwhile: the bytes the read saw change or end
+    were a deletion's, not damage), else None (the failure stands).
+
+    A reader beside a running job (`tiercheck verify`, an evaluation script) meets this when
+    the job's retention deletes the step it is reading: tier 1 hides the step (one rename,
+    marker included) before its shard is truncated or overwritten, and tier 2 deletes the
+    marker first, so a step whose bytes went is one whose marker went first.
+    """
+    if isinstance(failure, StepPrunedError):
+        return failure
+    try:
+        read_marker(tier, step)
+    except NoCheckpointError:
+        return StepPrunedError(
+            f"step {step} on tier {tier.name!r} ({tier.path_of(step)}) was deleted while it was read "
+            f"(a job's retention, or tiercheck prune/rm), not damaged; the read saw: {failure}",
+            step=step,
+        )
+    except Exception:  # the tier cannot answer now: nothing shows the step went
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def reading_committed(tier: Tier, step: int) -> Iterator[None]:
+    """Run a read of committed `step`: a failure of it (missing, short or altered bytes, a
+    marker or manifest gone) is raised as `StepPrunedError` when the step is no longer
+    committed on `tier` (`pruned_while_read`), else as it was."""
+    try:
+        yield
+    except (CheckpointCorruptedError, OSError) as exc:  # NoCheckpointError is an OSError
+        pruned = pruned_while_read(tier, step, exc)
+        if pruned is None or pruned is exc:
+            raise
+        raise pruned from exc
 
 
 def list_committed(tiers: Sequence[Tier]) -> dict[int, list[Tier]]:

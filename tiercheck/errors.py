@@ -18,6 +18,7 @@ __all__ = [
     "StateMismatchError",
     "StepConflictError",
     "StepInFlightError",
+    "StepPrunedError",
     "TierError",
     "TiercheckError",
     "UnsupportedStateError",
@@ -44,6 +45,19 @@ class ClosedError(TiercheckError, RuntimeError):
 
 class NoCheckpointError(TiercheckError, FileNotFoundError):
     """No committed checkpoint (or not the requested step) exists on any tier."""
+
+
+class StepPrunedError(NoCheckpointError):
+    """A committed step was deleted while it was being read (a running job's retention,
+    `tiercheck prune` or `rm`): its read failed because the step is gone, not damaged.
+
+    Attributes:
+        step: that step.
+    """
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class CheckpointCorruptedError(TiercheckError, ValueError):

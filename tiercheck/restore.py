@@ -25,10 +25,11 @@ from .catalog import (
     list_committed,
     read_manifest,
     read_marker,
+    reading_committed,
 )
 from .checksum import checksum_stream
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
-from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
+from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError, StepPrunedError
 from .events import report_missing_keys
 from .manifest import (
     Entry,
@@ -731,6 +732,9 @@ def _read_verified(
                 )
 
 
+_RELISTS = 3  # how often a step pruned while read makes an automatic restore list the tiers again
+
+
 @dataclass(frozen=True, slots=True)
 class Restored:
     step: int
@@ -766,26 +770,43 @@ def restore_from(
         return None
     failures: list[str] = []
     missing_only = True  # every failure a NoCheckpointError (e.g. no such rank): say so
-    for s in candidates:
+    pruned_only = True  # every failure a step deleted while it was read
+    tried: set[int] = set()
+    relists = 0
+    while candidates:
+        s = candidates.pop(0)
+        tried.add(s)
         for tier in holders[s]:
             try:
-                value = read_step(tier, s, rank, template, strict, world_size, progress)
+                with reading_committed(tier, s):
+                    value = read_step(tier, s, rank, template, strict, world_size, progress)
                 return Restored(s, value, tuple(sorted(holders)))
             except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
                 missing_only = missing_only and isinstance(exc, NoCheckpointError)
+                pruned_only = pruned_only and isinstance(exc, StepPrunedError)
                 failures.append(f"step {s} on tier {tier.name!r}: {exc}")
-                if step is None or tier is not holders[s][-1]:
+                last = tier is holders[s][-1]
+                # A job beside this reader pruned the step: it has saved newer ones meanwhile.
+                relist = step is None and last and isinstance(exc, StepPrunedError) and relists < _RELISTS
+                if step is None or not last:
+                    then = "trying the next tier" if not last else "looking for newer steps" if relist else ""
                     warnings.warn(
                         f"tiercheck: cannot restore step {s} from tier {tier.name!r}: {exc}; "
-                        + ("trying the next tier" if tier is not holders[s][-1] else "trying an older step"),
+                        + (then or "trying an older step"),
                         RuntimeWarning,
                         stacklevel=3,
                     )
+                if relist:
+                    relists += 1
+                    holders = list_committed(tiers)
+                    candidates = sorted((c for c in holders if c not in tried), reverse=True)
     detail = "; ".join(failures)
     error = NoCheckpointError if missing_only else CheckpointCorruptedError
     if step is not None:
+        if pruned_only:
+            raise StepPrunedError(f"step {step} cannot be restored: {detail}", step=step)
         raise error(f"step {step} cannot be restored: {detail}")
-    raise error(f"no committed step could be restored ({len(candidates)} tried, newest first): {detail}")
+    raise error(f"no committed step could be restored ({len(tried)} tried, newest first): {detail}")
 
 
 def restore_collective(
@@ -838,7 +859,8 @@ def restore_collective(
             why = ""
             for tier in tiers:
                 try:
-                    produce = prepare_step(tier, s, rank, template, strict, world_size, progress)
+                    with reading_committed(tier, s):
+                        produce = prepare_step(tier, s, rank, template, strict, world_size, progress)
                     break
                 except StateMismatchError as exc:  # the template is wrong: no older step helps
                     coord.agree_outcome(i, False, str(exc), fatal=True)

@@ -115,6 +115,8 @@ def export_step(
 
     Raises:
         NoCheckpointError: `step` (or `prefix`, or `rank`) does not exist.
+        StepPrunedError: a NoCheckpointError: the step was deleted while it was read (a
+            job's retention beside this export), not damaged; nothing is left at `dest`.
         CheckpointCorruptedError: a byte read differs from its checksum (nothing is left at `dest`).
         UnsupportedStateError: a dtype the format has no name for (safetensors: complex128,
             float8_e8m0fnu; .pt/DCP: numpy float128).

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import layout
-from ..catalog import ZstdFile, read_manifest, read_marker
+from ..catalog import ZstdFile, read_manifest, read_marker, reading_committed
 from ..checksum import checksum_stream
 from ..errors import CheckpointCorruptedError, NoCheckpointError
 from ..manifest import Entry, Manifest, ShardFile, decode_key
@@ -102,8 +102,14 @@ def open_view(tier: Tier, step: int, rank: int = 0) -> StepView:
 
     Raises:
         NoCheckpointError: `step` is not committed, or has no rank `rank`.
+        StepPrunedError: `step` was deleted while it was read (a job's retention beside this reader).
         CheckpointCorruptedError: the marker or a manifest fails verification.
     """
+    with reading_committed(tier, step):
+        return _read_view(tier, step, rank)
+
+
+def _read_view(tier: Tier, step: int, rank: int) -> StepView:
     marker = read_marker(tier, step)
     manifest = read_manifest(tier, step, rank, marker)
     manifests: dict[int, Manifest] = {rank: manifest}
@@ -208,23 +214,26 @@ class ShardReader:
     def __enter__(self) -> ShardReader:
         tier, step = self._view.tier, self._view.step
         try:
-            for sf in self._view.files:
-                path = tier.path_of(step, sf.name)
-                try:
-                    f = tier.open_file(step, sf.name)
-                except FileNotFoundError:
-                    raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
-                self._files[sf.name] = f
-                if f.size != sf.size_on_tier:
-                    raise CheckpointCorruptedError(
-                        f"{path}: shard file is {f.size} bytes, manifest says {sf.size_on_tier}"
-                    )
-                if sf.codec == "zstd":
-                    self._files[sf.name] = ZstdFile(f, sf.length, path)
+            with reading_committed(tier, step):
+                self._open_files()
         except BaseException:
             self.close()
             raise
         return self
+
+    def _open_files(self) -> None:
+        tier, step = self._view.tier, self._view.step
+        for sf in self._view.files:
+            path = tier.path_of(step, sf.name)
+            try:
+                f = tier.open_file(step, sf.name)
+            except FileNotFoundError:
+                raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
+            self._files[sf.name] = f
+            if f.size != sf.size_on_tier:
+                raise CheckpointCorruptedError(f"{path}: shard file is {f.size} bytes, manifest says {sf.size_on_tier}")
+            if sf.codec == "zstd":
+                self._files[sf.name] = ZstdFile(f, sf.length, path)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -241,14 +250,17 @@ class ShardReader:
         Raises:
             CheckpointCorruptedError: the bytes differ from the checksum (`sink` has then
                 seen them: the caller discards what it wrote), or the shard is short.
+            StepPrunedError: that, but the step is no longer committed: deleted meanwhile.
         """
-        self._stream(entry, None, sink, what)
+        with reading_committed(self._view.tier, self._view.step):
+            self._stream(entry, None, sink, what)
 
     def read(self, entry: Entry, dest: memoryview, what: str = "") -> None:
         """Read the entry's bytes into `dest` (exactly `entry.length` bytes), checked as `copy`."""
         if len(dest) != entry.length:
             raise ValueError(f"{what or entry.path}: destination holds {len(dest)} bytes, the entry {entry.length}")
-        self._stream(entry, dest, None, what)
+        with reading_committed(self._view.tier, self._view.step):
+            self._stream(entry, dest, None, what)
 
     def _stream(
         self, entry: Entry, dest: memoryview | None, sink: Callable[[memoryview], None] | None, what: str
