@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -67,6 +68,18 @@ class Record(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SaveAt(Callback):
+    """``trainer.save_checkpoint(path)`` by hand at the given steps (a milestone)."""
+
+    def __init__(self, paths: dict[int, str]) -> None:
+        self.paths = paths
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        path = self.paths.get(trainer.global_step)
+        if path is not None:
+            trainer.save_checkpoint(path)
+
+
 def data() -> DataLoader[Any]:
     g = torch.Generator().manual_seed(0)
     ds = TensorDataset(torch.randn(20, 8, generator=g), torch.randn(20, 1, generator=g))
@@ -83,6 +96,7 @@ def fit(
     checkpoint: ModelCheckpoint | None = None,
     io: Any = None,
     model: pl.LightningModule | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> tuple[Record, pl.LightningModule, pl.Trainer]:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -91,7 +105,7 @@ def fit(
     checkpoint = checkpoint or ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1, save_last=True)
     trainer = pl.Trainer(
         plugins=[io if io is not None else TiercheckIO(local=ckpt_dir, remote=remote)],
-        callbacks=[record, checkpoint],
+        callbacks=[record, *callbacks, checkpoint],
         max_steps=max_steps,
         logger=False,
         enable_progress_bar=False,

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,18 @@ import torch
 pl = pytest.importorskip("pytorch_lightning")
 
 import tiercheck  # noqa: E402
-from tests.lightning_worker import Net, fit, weights_digest  # noqa: E402
+from tests.lightning_worker import Net, SaveAt, fit, weights_digest  # noqa: E402
 from tiercheck import layout  # noqa: E402
-from tiercheck.integrations.lightning import TiercheckIO, pointers_in, read_pointer  # noqa: E402
+from tiercheck.integrations.lightning import (  # noqa: E402
+    TiercheckIO,
+    load_from_checkpoint,
+    pointers_in,
+    read_pointer,
+    read_pointer_doc,
+)
 from tiercheck.testing import Faults, FaultyTier  # noqa: E402
 from tiercheck.tiers.local import LocalTier  # noqa: E402
+from tiercheck.tiers.open import open_tier  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("lightning_worker.py"))
 ModelCheckpoint = pl.callbacks.ModelCheckpoint
@@ -63,9 +71,13 @@ def test_sigkill_mid_fit_then_resume_from_last_is_bit_exact(tmp_path: Path) -> N
     on_disk = committed(killed_dir)
     assert on_disk and max(on_disk) < 22
     # A crash never leaves a path naming an uncommitted step: every pointer names a step
-    # committed on tier 1, and last.ckpt (if written) its newest.
+    # committed on tier 1. And last.ckpt is there: step 10 was committed before step 20's
+    # save returned (one host buffer: the write of 15 waited for 10), and each save writes
+    # the pointers of the steps durable by then, however far the done callbacks lag (on a
+    # busy machine they had not run, last.ckpt was missing, and the resume started over).
     pointers = pointer_steps(killed_dir)
-    assert pointers and all(s in on_disk for s in pointers.values()), (pointers, on_disk)
+    assert all(s in on_disk for s in pointers.values()), (pointers, on_disk)
+    assert pointers.get("last.ckpt", -1) >= 10 and {5, 10} <= set(on_disk), (pointers, on_disk)
     assert 20 in on_disk or "epoch=3-step=20.ckpt" not in pointers
     resumed_from = max(on_disk)
 
@@ -206,3 +218,151 @@ def test_callback_state_round_trips(tmp_path: Path) -> None:
     assert loaded["hyper_parameters"] == captured["hp"]
     state = next(v for k, v in loaded["callbacks"].items() if k.startswith("ModelCheckpoint"))
     assert state["dirpath"] == str(ckpt_dir)
+
+
+def state_at(step: int) -> dict[str, Any]:
+    return {"global_step": step, "state_dict": {"w": torch.full((3,), float(step))}}
+
+
+def test_a_manual_save_keeps_its_step_when_top_k_removes_its_own_name(tmp_path: Path) -> None:
+    """trainer.save_checkpoint("milestones/...") at a step ModelCheckpoint(save_top_k=1) also
+    saved: top-k rotating its own name away leaves the step, for this session and the next."""
+    ckpt_dir = tmp_path / "ckpt"
+    milestones = {10: str(ckpt_dir / "milestones" / "at10.ckpt"), 20: str(ckpt_dir / "milestones" / "at20.ckpt")}
+    checkpoint = ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=5, save_top_k=1)
+    record, _, _ = fit(str(ckpt_dir), None, 20, checkpoint=checkpoint, callbacks=[SaveAt(milestones)])
+    assert pointer_steps(ckpt_dir) == {"epoch=3-step=20.ckpt": 20}  # top-1 removed 5, 10 and 15
+    assert committed(ckpt_dir) == [10, 20]
+    io = TiercheckIO(local=ckpt_dir)
+    model = Net()
+    model.load_state_dict(io.load_checkpoint(milestones[10])["state_dict"])
+    assert weights_digest(model) == record.digests[10]
+    # A restarted job's top-k rotating step 20's name away: that session knows the
+    # milestones directory too (recorded in tier 1), so the step stays.
+    io.remove_checkpoint(ckpt_dir / "epoch=3-step=20.ckpt")
+    assert committed(ckpt_dir) == [10, 20]
+    model.load_state_dict(io.load_checkpoint(milestones[20])["state_dict"])
+    assert weights_digest(model) == record.digests[20]
+    io.remove_checkpoint(milestones[20])  # its last name: now it goes
+    io.teardown()
+    assert committed(ckpt_dir) == [10]
+
+
+def test_a_weights_only_checkpoint_beside_a_full_one_at_the_same_step(tmp_path: Path) -> None:
+    """ModelCheckpoint(save_weights_only=True) saving before a full one at every step: both
+    are checkpoints of their own, the full one resumes bit-exactly, the weights-only one
+    holds what Lightning's weights-only file holds."""
+    ckpt_dir, remote = tmp_path / "ckpt", f"file://{tmp_path}/remote"
+
+    def checkpoints() -> tuple[Any, Any]:
+        weights = ModelCheckpoint(  # a monitor: Lightning needs the two callbacks' state keys to differ
+            dirpath=str(ckpt_dir / "weights"),
+            every_n_train_steps=5,
+            save_top_k=-1,
+            monitor="train_loss",
+            save_weights_only=True,
+        )
+        return weights, ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=5, save_top_k=-1, save_last=True)
+
+    ref, ref_model, _ = fit(str(tmp_path / "ref"), None, 15)
+    weights, full = checkpoints()
+    fit(str(ckpt_dir), remote, 10, checkpoint=full, callbacks=[weights])
+    assert committed(ckpt_dir) == [5, 10] and committed(tmp_path / "remote") == [5, 10]
+    assert committed(ckpt_dir / "weights-only") == [5, 10] == committed(tmp_path / "remote" / "weights-only")
+    io = TiercheckIO(local=ckpt_dir, remote=remote)
+    whole = io.load_checkpoint(ckpt_dir / "epoch=1-step=10.ckpt")
+    only = io.load_checkpoint(ckpt_dir / "weights" / "epoch=1-step=10.ckpt")
+    assert {"optimizer_states", "lr_schedulers", "callbacks"} <= set(whole)
+    assert set(only) == set(whole) - {"optimizer_states", "lr_schedulers", "callbacks"}  # as Lightning builds it
+    assert only["global_step"] == 10 and only["state_dict"].keys() == whole["state_dict"].keys()
+    assert all(torch.equal(only["state_dict"][k], v) for k, v in whole["state_dict"].items())
+    assert read_pointer_doc(str(ckpt_dir / "weights" / "epoch=1-step=10.ckpt")).store == "weights-only"  # type: ignore[union-attr]
+
+    weights, full = checkpoints()
+    record, model, _ = fit(str(ckpt_dir), remote, 15, ckpt_path="last", checkpoint=full, callbacks=[weights])
+    assert min(record.losses) == 11
+    assert all(record.losses[s] == ref.losses[s] for s in record.losses)
+    assert weights_digest(model) == weights_digest(ref_model)
+    assert committed(ckpt_dir / "weights-only") == [5, 10, 15]
+
+
+def test_save_checkpoint_after_fit_adds_a_name_for_the_newest_step(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    record, _, trainer = fit(str(ckpt_dir), None, 20)
+    trainer.save_checkpoint(ckpt_dir / "final.ckpt")  # step 20, committed during fit
+    trainer.save_checkpoint(tmp_path / "export" / "final-weights.ckpt", weights_only=True)
+    trainer.strategy.checkpoint_io.teardown()
+    assert pointer_steps(ckpt_dir)["final.ckpt"] == 20
+    assert committed(ckpt_dir) == [5, 10, 15, 20]
+    io = TiercheckIO(local=ckpt_dir)
+    for path in (ckpt_dir / "final.ckpt", tmp_path / "export" / "final-weights.ckpt"):
+        loaded = io.load_checkpoint(path)
+        model = Net()
+        model.load_state_dict(loaded["state_dict"])
+        assert loaded["global_step"] == 20 and weights_digest(model) == record.digests[20]
+    assert "optimizer_states" not in io.load_checkpoint(tmp_path / "export" / "final-weights.ckpt")
+
+
+def test_top_k_removal_during_a_catch_up_upload_deletes_the_step_when_it_ends(tmp_path: Path) -> None:
+    """A restarted job uploads the steps an earlier run left on tier 1 only; top-k removing
+    one of them while it is being uploaded deletes it from both tiers once the upload ends."""
+    ckpt_dir = tmp_path / "ckpt"
+    earlier = TiercheckIO(local=ckpt_dir)  # the earlier run: killed before uploading, say
+    for step in (5, 10):
+        earlier.save_checkpoint(state_at(step), ckpt_dir / f"epoch=0-step={step}.ckpt")
+    earlier.teardown()
+    faults, gate, uploading = Faults(), threading.Event(), threading.Event()
+    faults.block("open_step", gate, timeout=120, steps={5}, when=lambda call: not uploading.set())
+    remote = FaultyTier(open_tier(f"file://{tmp_path}/remote", role="remote"), faults)
+    io = TiercheckIO(local=ckpt_dir, remote=remote)
+    io.save_checkpoint(state_at(15), ckpt_dir / "epoch=0-step=15.ckpt")  # starts the catch-up upload
+    assert uploading.wait(120)
+    io.remove_checkpoint(ckpt_dir / "epoch=0-step=5.ckpt")  # what top-k does
+    gate.set()
+    io.teardown()
+    assert committed(ckpt_dir) == [10, 15] and committed(tmp_path / "remote") == [10, 15]
+    assert set(pointer_steps(ckpt_dir).values()) == {10, 15}
+
+
+def test_load_from_checkpoint_of_a_pointer(tmp_path: Path) -> None:
+    """Model.load_from_checkpoint(mc.best_model_path) bypasses CheckpointIO: it fails with a
+    message naming tiercheck and its helper, and the helper loads the model."""
+    ckpt_dir = tmp_path / "ckpt"
+    checkpoint = ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=5, save_top_k=1, monitor="train_loss")
+    record, _, _ = fit(str(ckpt_dir), None, 20, checkpoint=checkpoint)
+    best = checkpoint.best_model_path
+    with pytest.raises(
+        ValueError, match=r"tiercheck: .* is not a checkpoint but a TiercheckIO pointer .*load_from_checkpoint"
+    ):
+        Net.load_from_checkpoint(best)
+    seen = torch.load(best, weights_only=True)  # a dict of strings and ints, nothing else
+    assert seen["tiercheck_pointer"]["step"] == read_pointer(best)
+    model = load_from_checkpoint(Net, best)
+    assert isinstance(model, Net) and model.hparams == {"width": 16, "lr": 1e-2}
+    assert weights_digest(model) == record.digests[read_pointer(best)]  # type: ignore[index]
+    wider = load_from_checkpoint(Net, ckpt_dir / "last.ckpt", TiercheckIO(local=ckpt_dir), strict=False, lr=0.5)
+    assert wider.hparams["lr"] == 0.5
+
+
+def test_last_ckpt_names_a_committed_step_while_pointer_callbacks_lag(tmp_path: Path, tier_faults: Faults) -> None:
+    """The race behind a resume from nothing: step 5 committed, its done callback (which
+    writes pointers) not yet run when step 10 is saved as the new last.ckpt. A kill then
+    must find last.ckpt naming step 5, not no last.ckpt at all."""
+    gate = threading.Event()
+    tier_faults.block("write_file", gate, timeout=120, steps={10})
+    io = TiercheckIO(local=FaultyTier(LocalTier(tmp_path), tier_faults))
+    # Holding the plugin's lock keeps its done callbacks from running, as a busy machine's
+    # scheduler (or a save blocked on a host buffer) does.
+    with io._lock:
+        io.save_checkpoint(state_at(5), tmp_path / "step=5.ckpt")
+        io.save_checkpoint(state_at(5), tmp_path / "last.ckpt")
+        deadline = time.monotonic() + 120
+        while 5 not in committed(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a condition (the commit), with a generous deadline
+        assert 5 in committed(tmp_path)
+        io.save_checkpoint(state_at(10), tmp_path / "step=10.ckpt")
+        io.save_checkpoint(state_at(10), tmp_path / "last.ckpt")
+        assert pointer_steps(tmp_path) == {"step=5.ckpt": 5, "last.ckpt": 5}  # what a kill now leaves
+    gate.set()
+    io.teardown()
+    assert pointer_steps(tmp_path) == {"step=5.ckpt": 5, "step=10.ckpt": 10, "last.ckpt": 10}

@@ -9,21 +9,33 @@ The user's code is Lightning's usual idiom::
 
 How Lightning's paths map to tiercheck steps:
 
-* each ``save_checkpoint(checkpoint, path)`` is tiercheck step ``checkpoint["global_step"]``;
-  a second name saved at the same step (``last.ckpt`` right after ``epoch=0-step=5.ckpt``)
-  is the same step, not written again;
-* the file at `path` is a *pointer*: a few bytes of JSON naming the step, written
+* each ``save_checkpoint(checkpoint, path)`` is tiercheck step ``checkpoint["global_step"]``
+  of one of two stores: full checkpoints in the tiers given, weights-only ones (what
+  ``save_weights_only=True`` builds: no optimizer or callback state) in their
+  ``weights-only`` subdirectory (``local/weights-only``, ``remote/weights-only``). Two
+  different dicts at one step are two checkpoints; a second name saved for a step already
+  saved in its store (``last.ckpt`` right after ``epoch=0-step=5.ckpt``, or
+  ``trainer.save_checkpoint("final.ckpt")`` after ``fit``) is a name for the same step,
+  not written again;
+* the file at `path` is a *pointer*: a tiny archive naming the store and step, written
   (atomically: temporary name, fsync, rename) only once the step is committed on its first
-  tier, so a crash never leaves a path that names an uncommitted step. Lightning's own
-  bookkeeping (``ckpt_path="last"`` lists the directory, the version counter checks for
-  existing names) sees these files;
+  tier, so a crash never leaves a path that names an uncommitted step. A pointer is
+  written at the first chance once its step is durable (every call into the plugin checks,
+  besides the done callback), so ``last.ckpt`` exists as soon as any step of it is
+  committed. Lightning's own bookkeeping (``ckpt_path="last"`` lists the directory, the
+  version counter checks for existing names) sees these files. ``torch.load`` opens a
+  pointer (``weights_only=True`` suffices: it is a dict of strings and ints) and finds a
+  note saying what it is; ``Model.load_from_checkpoint(pointer)``, which bypasses
+  ``CheckpointIO``, fails with that note naming `load_from_checkpoint` here, which works;
 * ``load_checkpoint(path)`` reads: for a ``last*.ckpt`` name, the newest committed step
-  (on any tier); else the step the pointer names; without a pointer (a new node that has
-  only tier 2), the step in a ``step=N`` part of the name. A path that resolves to no
-  committed step raises `NoCheckpointError` (a `FileNotFoundError`);
+  of its store (on any tier); else the step the pointer names; without a pointer (a new
+  node that has only tier 2), the step in a ``step=N`` part of the name. A path that
+  resolves to no committed step raises `NoCheckpointError` (a `FileNotFoundError`);
 * ``remove_checkpoint(path)`` removes the pointer, and the step on every tier (marker
-  first) once no other pointer names it; a step still being written is deleted as soon as
-  it is durable.
+  first) once no pointer anywhere names it: the plugin remembers every directory it wrote
+  a pointer into (a ``milestones/`` directory of ``trainer.save_checkpoint`` beside
+  ModelCheckpoint's), in a small file in the tier-1 directory so a later session knows
+  them too. A step still being written is deleted as soon as it is durable.
 
 Only global rank 0 saves and removes (as Lightning's DDP strategies call the plugin);
 every rank may load. The checkpoint dict is stored as it is (tensors, numpy, and plain
@@ -40,14 +52,19 @@ the ``CheckpointIO`` class of each one installed.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import io as _io
 import json
 import logging
 import os
 import re
 import secrets
+import stat
 import threading
 import warnings
+import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,21 +73,39 @@ import torch
 from ..api import read_tiers
 from ..catalog import list_committed
 from ..checkpointer import Checkpointer
-from ..errors import InvalidArgumentError, NoCheckpointError, StepConflictError, StepInFlightError, TiercheckError
+from ..errors import (
+    ClosedError,
+    InvalidArgumentError,
+    NoCheckpointError,
+    StepConflictError,
+    StepInFlightError,
+    TiercheckError,
+)
 from ..handle import SaveHandle
 from ..restore import restore_from
 from ..retention import RetentionPolicy
 from ..tiers.base import Tier
 from ..tiers.local import fsync_dir
 
-__all__ = ["POINTER_FORMAT", "TiercheckIO", "read_pointer"]
+__all__ = ["POINTER_FORMAT", "TiercheckIO", "load_from_checkpoint", "read_pointer"]
 
 logger = logging.getLogger("tiercheck")
 
 POINTER_FORMAT = "tiercheck-lightning-pointer"
-_POINTER_MAX = 4096
+FULL = "full"
+WEIGHTS_ONLY = "weights-only"  # also the subdirectory of each tier holding that store
+_STORES = (FULL, WEIGHTS_ONLY)
+_POINTER_MAX = 64 << 10  # a pointer is ~1.5 KB; anything larger is not one
+_MEMBER = "tiercheck-pointer.json"  # the pointer's own record inside the torch archive
+_MEMBER_MAX = 4096
+_DIRS_FILE = ".tiercheck-lightning-dirs.json"  # in tier 1: the directories holding pointers
+_DIRS_FORMAT = "tiercheck-lightning-dirs"
+_DIRS_MAX = 1 << 20
 _LAST = re.compile(r"^last(-(\d+))?")  # ModelCheckpoint's test of a "last" checkpoint's stem
 _STEP = re.compile(r"(?:^|[-_])step=(\d+)")
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+Ref = tuple[str, int]  # (store, step)
 
 
 def _checkpoint_io_bases() -> tuple[type, ...]:
@@ -102,41 +137,157 @@ def step_in_name(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def read_pointer(path: str) -> int | None:
-    """The step the pointer file at `path` names; None if there is no file there.
+def is_weights_only(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether `checkpoint` is what Lightning's ``dump_checkpoint(weights_only=True)`` builds:
+    its loops' state but none of the optimizer and callback state every full one has."""
+    return (
+        "loops" in checkpoint
+        and "pytorch-lightning_version" in checkpoint
+        and "optimizer_states" not in checkpoint
+        and "callbacks" not in checkpoint
+    )
 
-    Raises:
-        NoCheckpointError: the file is not a tiercheck pointer (e.g. a ``torch.save`` file,
-            which tiercheck never unpickles).
-    """
+
+# -- pointer files ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """What a pointer file says: the store and step it names, and the plugin's tiers (its
+    ``local=`` and ``remote=``) when they were a path and a URL."""
+
+    step: int
+    store: str = FULL
+    local: str | None = None
+    remote: str | None = None
+
+    @property
+    def ref(self) -> Ref:
+        return (self.store, self.step)
+
+
+def _read_small_regular_file(path: str, limit: int) -> bytes | None:
+    """At most `limit` + 1 bytes of the regular file at `path` (through a symlink, as
+    Lightning's ``save_last="link"`` makes); None if there is none. A FIFO or device is never
+    opened for reading (O_NONBLOCK, then fstat), so it cannot hang the trainer."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(_POINTER_MAX + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_CLOEXEC)
     except FileNotFoundError:
         return None
     except IsADirectoryError:
         raise NoCheckpointError(f"{path} is a directory, not a tiercheck pointer file") from None
     try:
-        doc = json.loads(data.decode()) if len(data) <= _POINTER_MAX else None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        doc = None
-    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT or type(doc.get("step")) is not int:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NoCheckpointError(f"{path} is not a regular file, so not a tiercheck pointer file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _parse_pointer(data: bytes) -> Any:
+    """The pointer record in `data`: the JSON member of a torch archive, or (pointers of
+    tiercheck 0.x) the file itself as JSON. Never unpickles the archive's ``data.pkl``."""
+    if len(data) > _POINTER_MAX:
+        return None
+    try:
+        if data.startswith(b"PK\x03\x04"):
+            with zipfile.ZipFile(_io.BytesIO(data)) as archive:
+                members = [
+                    i for i in archive.infolist() if i.filename.count("/") == 1 and i.filename.endswith("/" + _MEMBER)
+                ]
+                if len(members) != 1 or members[0].file_size > _MEMBER_MAX:
+                    return None
+                if members[0].compress_type != zipfile.ZIP_STORED:
+                    return None
+                data = archive.read(members[0])
+        return json.loads(data.decode())
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, UnicodeDecodeError, ValueError, RecursionError, EOFError):
+        return None
+
+
+def read_pointer_doc(path: str) -> Pointer | None:
+    """What the pointer file at `path` names; None if there is no file there.
+
+    Raises:
+        NoCheckpointError: the file is not a tiercheck pointer (e.g. a ``torch.save`` file,
+            which tiercheck never unpickles).
+    """
+    data = _read_small_regular_file(path, _POINTER_MAX)
+    if data is None:
+        return None
+    doc = _parse_pointer(data)
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != POINTER_FORMAT
+        or type(doc.get("step")) is not int
+        or doc["step"] < 0
+        or doc.get("store", FULL) not in _STORES
+    ):
         raise NoCheckpointError(
             f"{path} is not a tiercheck pointer file (a checkpoint saved by another CheckpointIO?); "
             "tiercheck reads only checkpoints it wrote and never unpickles"
         )
-    step: int = doc["step"]
-    return step
+    local, remote = doc.get("local"), doc.get("remote")
+    return Pointer(
+        doc["step"],
+        doc.get("store", FULL),
+        local if isinstance(local, str) else None,
+        remote if isinstance(remote, str) else None,
+    )
 
 
-def write_pointer(path: str, step: int) -> None:
-    """Write the pointer file `path` -> `step` atomically and durably."""
+def read_pointer(path: str) -> int | None:
+    """The step the pointer file at `path` names; None if there is no file there.
+
+    Raises:
+        NoCheckpointError: the file is not a tiercheck pointer.
+    """
+    doc = read_pointer_doc(path)
+    return None if doc is None else doc.step
+
+
+def _pointer_bytes(path: str, pointer: Pointer) -> bytes:
+    """A torch archive (what ``torch.save`` writes) of a dict of strings and ints that says
+    what the file is, plus the pointer record as a JSON member, which is what tiercheck
+    reads. Lightning's ``load_from_checkpoint`` reads the version field first and fails
+    with the note as its message."""
+    note = (
+        f"tiercheck: {path} is not a checkpoint but a TiercheckIO pointer to step {pointer.step} "
+        f"({pointer.store} store of {pointer.local or pointer.remote}); Lightning bypasses CheckpointIO "
+        "in Model.load_from_checkpoint, so load it with "
+        "tiercheck.integrations.lightning.load_from_checkpoint(Model, path), or through a Trainer "
+        "with plugins=[TiercheckIO(...)] and ckpt_path=path (docs/integrations.md)"
+    )
+    record = {
+        "format": POINTER_FORMAT,
+        "version": 2,
+        "step": pointer.step,
+        "store": pointer.store,
+        "local": pointer.local,
+        "remote": pointer.remote,
+    }
+    buf = _io.BytesIO()
+    torch.save({"pytorch-lightning_version": note, "tiercheck_pointer": record, "note": note}, buf)
+    with zipfile.ZipFile(buf, "a", compression=zipfile.ZIP_STORED) as archive:
+        prefix = archive.namelist()[0].split("/", 1)[0]
+        archive.writestr(f"{prefix}/{_MEMBER}", json.dumps(record))
+    return buf.getvalue()
+
+
+def _write_atomically(path: str, body: bytes) -> None:
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tiercheck-tmp-{secrets.token_hex(8)}")
-    body = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step}).encode() + b"\n"
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
@@ -148,22 +299,60 @@ def write_pointer(path: str, step: int) -> None:
     fsync_dir(directory)
 
 
-def pointers_in(directory: str) -> dict[str, int]:
-    """Every pointer file (``*.ckpt``) in `directory` and the step it names."""
-    found: dict[str, int] = {}
+def write_pointer(path: str, step: int, store: str = FULL, local: str | None = None, remote: str | None = None) -> None:
+    """Write the pointer file `path` -> (`store`, `step`) atomically and durably."""
+    _write_atomically(path, _pointer_bytes(path, Pointer(step, store, local, remote)))
+
+
+def _refs_in(directory: str) -> dict[str, Ref]:
+    found: dict[str, Ref] = {}
     try:
         names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
         return found
     for name in names:
         if not name.endswith(".ckpt"):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(NoCheckpointError, OSError):
-            step = read_pointer(path)
-            if step is not None:
-                found[path] = step
+            doc = read_pointer_doc(path)
+            if doc is not None:
+                found[path] = doc.ref
     return found
+
+
+def pointers_in(directory: str) -> dict[str, int]:
+    """Every pointer file (``*.ckpt``) in `directory` and the step it names."""
+    return {path: step for path, (_, step) in _refs_in(directory).items()}
+
+
+# -- the plugin ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Store:
+    """One store's tiers and this session's saves into it."""
+
+    name: str
+    local: str | Tier | None
+    remote: str | Tier | None
+    ckpt: Checkpointer | None = None
+    handles: dict[int, SaveHandle] = field(default_factory=dict)  # not yet finished on every tier
+    doomed: set[int] = field(default_factory=set)  # lost their names while in flight
+    saved: set[int] = field(default_factory=set)  # saved by this plugin (every session)
+    last_step: int | None = None  # this session's newest save, None after a load
+    restored: int | None = None  # the step loaded last: a branch point for the next save
+
+    @property
+    def usable(self) -> bool:
+        return self.local is not None or self.remote is not None
+
+
+def _subdir(tier: str | os.PathLike[str] | Tier | None, name: str) -> str | None:
+    """`name` below a tier given as a path or URL (a Tier object has no such child)."""
+    if tier is None or isinstance(tier, Tier):
+        return None
+    return f"{os.fspath(tier).rstrip('/')}/{name}"
 
 
 class _TiercheckIOImpl:
@@ -185,28 +374,32 @@ class _TiercheckIOImpl:
                 raise InvalidArgumentError(
                     f"TiercheckIO sets {fixed}= itself: Lightning saves the whole checkpoint from global rank 0"
                 )
-        self._local = None if local is None else local if isinstance(local, Tier) else os.fspath(local)
+        self._local = None if local is None else local if isinstance(local, Tier) else os.path.abspath(local)
         self._remote = remote
         self._storage_options = dict(storage_options or {})
         self._keep = (keep_local, keep_remote)
         self._options = options
-        self._ckpt: Checkpointer | None = None
+        weights_local, weights_remote = _subdir(self._local, WEIGHTS_ONLY), _subdir(remote, WEIGHTS_ONLY)
+        if (weights_local is None) != (self._local is None) or (weights_remote is None) != (remote is None):
+            weights_local = weights_remote = None  # a Tier object has no subdirectory: no such store
+        self._stores = {
+            FULL: _Store(FULL, self._local, remote),
+            WEIGHTS_ONLY: _Store(WEIGHTS_ONLY, weights_local, weights_remote),
+        }
         self._lock = threading.RLock()
-        self._pending: dict[str, int] = {}  # path -> step: pointer written once the step is durable
-        self._handles: dict[int, SaveHandle] = {}  # this session's steps not yet finished on every tier
-        self._doomed: dict[int, str] = {}  # step -> its directory: lost its names while in flight
-        self._dirs: dict[int, str] = {}  # step -> the directory of its pointers (this session)
-        self._last_step: int | None = None
-        self._restored: int | None = None  # the step the last load returned: a branch point
+        # path -> the refs it was given, oldest first, whose pointer is not written yet: it
+        # names the newest of them that is durable, and the last one once that is.
+        self._pending: dict[str, list[Ref]] = {}
+        self._dirs: set[str] | None = None  # every directory holding pointers (loaded lazily)
 
-    # -- the Checkpointer (global rank 0 only: created at the first save or removal) ------
+    # -- the Checkpointers (global rank 0 only: created at the first save or removal) ------
 
-    def _checkpointer(self) -> Checkpointer:
-        if self._ckpt is None:
+    def _checkpointer_of(self, store: _Store) -> Checkpointer:
+        if store.ckpt is None:
             keep_local, keep_remote = self._keep
-            self._ckpt = Checkpointer(
-                self._local,
-                self._remote,
+            store.ckpt = Checkpointer(
+                store.local,
+                store.remote,
                 self._storage_options,
                 keep_local=keep_local,
                 keep_remote=keep_remote,
@@ -214,13 +407,21 @@ class _TiercheckIOImpl:
                 world_size=1,
                 **self._options,
             )
-        return self._ckpt
+        return store.ckpt
 
     @property
     def checkpointer(self) -> Checkpointer:
-        """The `Checkpointer` this plugin saves through (created if needed; rank 0 only)."""
+        """The `Checkpointer` this plugin saves full checkpoints through (created if needed;
+        rank 0 only)."""
         with self._lock:
-            return self._checkpointer()
+            return self._checkpointer_of(self._stores[FULL])
+
+    def _tiers_of(self, store: _Store) -> list[Tier]:
+        return read_tiers(store.local, store.remote, self._storage_options)
+
+    def _where(self, store: _Store | None = None) -> str:
+        s = store or self._stores[FULL]
+        return ", ".join(x if isinstance(x, str) else x.location for x in (s.local, s.remote) if x)
 
     # -- CheckpointIO ---------------------------------------------------------------------
 
@@ -236,18 +437,27 @@ class _TiercheckIOImpl:
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"the checkpoint for {path} has no valid 'global_step' ({step!r})")
         target = os.path.abspath(os.fspath(path))
+        store = self._stores[WEIGHTS_ONLY if is_weights_only(checkpoint) else FULL]
+        if not store.usable:
+            raise InvalidArgumentError(
+                f"cannot save the weights-only checkpoint {target}: weights-only checkpoints go to a "
+                "'weights-only' subdirectory of the tiers, and TiercheckIO was given Tier objects; give "
+                "local= a directory or remote= a URL"
+            )
         with self._lock:
-            ckpt = self._checkpointer()
-            if step != self._last_step:
-                if self._last_step is None:  # first save of this session, or after a load
-                    self._start_branch(ckpt, step, os.path.dirname(target))
+            self._flush()
+            if step != store.last_step:
+                if store.last_step is None and not self._claim(store, step, os.path.dirname(target)):
+                    self._name(target, (store.name, step))  # already committed: a new name for it
+                    return
+                ckpt = self._checkpointer_of(store)
                 handle = ckpt.save(step, checkpoint)
-                self._last_step = step
-                self._handles[step] = handle
-                self._dirs[step] = os.path.dirname(target)
-                handle.add_done_callback(self._on_done)
+                store.last_step = step
+                store.saved.add(step)
+                store.handles[step] = handle
+                handle.add_done_callback(lambda h, tier, error: self._on_done(store, h, error))
             # else: another name for the step just saved (last.ckpt after the top-k name)
-            self._name(target, step)
+            self._name(target, (store.name, step))
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -260,38 +470,36 @@ class _TiercheckIOImpl:
             CheckpointCorruptedError: that step fails verification on every tier.
         """
         target = os.path.abspath(os.fspath(path))
-        step = self._resolve(target)
-        found = restore_from(read_tiers(self._local, self._remote, self._storage_options), None, step, 0, False)
-        assert found is not None
-        value = found.value
-        assert isinstance(value, dict)
+        value, step = self._load(target)
         if is_last(target):
             _name_last_checkpoint(value, target)
         if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
-            device = torch.device(map_location)
-            value = _move(value, device)
+            value = _move(value, torch.device(map_location))
         with self._lock:
-            self._restored = found.step
-            self._last_step = None  # the next save checks for a rollback
+            for store in self._stores.values():
+                store.restored = step
+                store.last_step = None  # the next save checks for a rollback
         return value
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the pointer at `path`, and its step from every tier once no other pointer
-        names it (after it is durable, if it is still being written)."""
+        """Remove the pointer at `path`, and its step from every tier once no pointer
+        anywhere names it (after it is durable, if it is still being written)."""
         target = os.path.abspath(os.fspath(path))
         with self._lock:
-            step = self._pending.pop(target, None)
+            self._flush()
+            refs = self._pending.pop(target, [])
             try:
-                on_disk = read_pointer(target)
+                on_disk = read_pointer_doc(target)
             except NoCheckpointError:
                 logger.warning("tiercheck: not removing %s: it is not a tiercheck pointer file", target)
                 return
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(target)
-            self._checkpointer()  # global rank 0 (the only caller): deleting may need it
-            for s in {step, on_disk} - {None}:
-                assert s is not None
-                self._release(s, os.path.dirname(target))
+            self._remember_dir(os.path.dirname(target))  # its other pointers count, as ever
+            if on_disk is not None:
+                refs.append(on_disk.ref)
+            for ref in dict.fromkeys(refs):
+                self._release(ref)
 
     def teardown(self) -> None:
         """Drain: every save durable on every tier (pointers written, removed steps
@@ -301,156 +509,267 @@ class _TiercheckIOImpl:
         Raises:
             TierError: a background save failed since the last save (raised once).
         """
-        with self._lock:
-            ckpt = self._ckpt
-        try:
-            if ckpt is not None:
-                ckpt.close()  # runs the last done callbacks, which use self._ckpt
-        finally:
+        errors: list[BaseException] = []
+        for store in self._stores.values():
             with self._lock:
-                self._ckpt = None
-                self._handles.clear()
-                self._pending.clear()
-                self._doomed.clear()
-                self._dirs.clear()
-                self._last_step = None
+                ckpt = store.ckpt
+            try:
+                if ckpt is not None:
+                    ckpt.close()  # runs the last done callbacks, which use store.ckpt
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                with self._lock:
+                    store.ckpt = None
+                    store.handles.clear()
+                    store.doomed.clear()
+                    store.last_step = None
+        with self._lock:
+            self._pending.clear()
+        if errors:
+            raise errors[0]
 
-    # -- helpers ----------------------------------------------------------------------------
+    # -- saving: which steps may be saved ----------------------------------------------------
 
-    def _name(self, target: str, step: int) -> None:
-        """`target` now names `step`: its pointer is written once the step is durable on a
-        tier (now, if it already is); the step it named before loses that name."""
-        previous = self._pending.pop(target, None)
-        handle = self._handles.get(step)
-        if handle is None or self._durable_somewhere(handle):
-            self._repoint(target, step)
-        elif not handle.done():
-            self._pending[target] = step  # `_on_done` writes it
-        # else: the step failed on every tier; the name keeps what it named before
-        if previous is not None and previous != step:
-            self._release(previous, os.path.dirname(target))
+    def _claim(self, store: _Store, step: int, directory: str) -> bool:
+        """The first save of a store in this session (or after a load): True to save `step`.
+        False when `step` is committed already and is this plugin's own (saved by it, or the
+        step it loaded): a new name for it. Saving an older step after a load of an older
+        one starts a new branch (the abandoned steps are deleted first, as
+        `Checkpointer.restore` does); anything else is refused (another run's steps)."""
+        committed = sorted(list_committed(self._tiers_of(store)[:1]))
+        newest = committed[-1] if committed else None
+        if newest is None or step > newest:
+            store.restored = None
+            return True
+        restored = store.restored
+        if step in committed and (step in store.saved or step == restored):
+            return False
+        if restored is None or step <= restored:
+            raise StepConflictError(
+                f"cannot save step {step} to {self._where(store)}: step {newest} is already committed there "
+                "(an earlier run's?). Resume with trainer.fit(..., ckpt_path='last'), or use another directory"
+            )
+        stale = [s for s in self._checkpointer_of(store).steps() if s > restored]
+        for known in self._known_dirs() | {directory}:
+            for path, ref in _refs_in(known).items():
+                if ref[0] == store.name and ref[1] in stale:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+        for s in reversed(stale):
+            self._delete((store.name, s))
+        store.restored = None
+        warnings.warn(
+            f"tiercheck: step {step} starts a new branch after loaded step {restored}; deleted the abandoned "
+            f"steps {stale}" + ("" if store.name == FULL else f" of the {store.name} store"),
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        return True
 
-    @staticmethod
-    def _durable_somewhere(handle: SaveHandle) -> bool:
-        return any(handle.done(t) and handle.exception(t) is None for t in handle.tiers)
+    # -- pointers -------------------------------------------------------------------------------
 
-    def _repoint(self, target: str, step: int) -> None:
-        """Write the pointer `target` -> `step`; release the step it named before."""
+    def _durable(self, ref: Ref) -> bool | None:
+        """True once `ref` is durable on a tier (or was finished before), False while it is
+        in flight, None if it failed on every tier."""
+        handle = self._stores[ref[0]].handles.get(ref[1])
+        if handle is None:
+            return True
+        if any(handle.done(t) and handle.exception(t) is None for t in handle.tiers):
+            return True
+        return None if handle.done() else False
+
+    def _name(self, target: str, ref: Ref) -> None:
+        """`target` now names `ref`: its pointer is written once the step is durable on a
+        tier (now, if it already is); until then it names what it named before."""
+        self._remember_dir(os.path.dirname(target))
+        refs = self._pending.setdefault(target, [])
+        if ref in refs:
+            refs.remove(ref)
+        refs.append(ref)
+        self._flush_target(target)
+
+    def _flush(self) -> None:
+        """Write every pointer whose step is durable now, and retry the deletions a done
+        callback could not do: the callback thread may lag behind the training loop (a busy
+        machine), and a kill must not find ``last.ckpt`` missing while a step of it is
+        committed."""
+        for target in list(self._pending):
+            self._flush_target(target)
+        for store in self._stores.values():
+            for step in [s for s in store.doomed if s not in store.handles]:
+                store.doomed.discard(step)
+                self._release((store.name, step))
+
+    def _flush_target(self, target: str) -> None:
+        refs = self._pending.get(target, [])
+        states = [self._durable(r) for r in refs]
+        ready = [i for i, s in enumerate(states) if s]
+        failed = [r for r, s in zip(refs, states, strict=True) if s is None]
+        if not ready and not failed:
+            return
+        upto = ready[-1] if ready else -1
+        dropped = [r for i, r in enumerate(refs) if i < upto or states[i] is None]
+        kept = [r for i, r in enumerate(refs) if i > upto and states[i] is not None]
+        if kept:
+            self._pending[target] = kept
+        else:
+            del self._pending[target]
+        if ready:
+            self._repoint(target, refs[upto])
+        for r in dropped:  # superseded by a newer durable step, or failed: no longer named here
+            self._release(r)
+
+    def _repoint(self, target: str, ref: Ref) -> None:
+        """Write the pointer `target` -> `ref`; release what it named before."""
         try:
-            before = read_pointer(target)
+            before = read_pointer_doc(target)
         except NoCheckpointError:
             before = None  # another plugin's file at that name: replaced, as Lightning would
+        local, remote = self._local, self._remote
         try:
-            write_pointer(target, step)
+            write_pointer(
+                target,
+                ref[1],
+                ref[0],
+                local if isinstance(local, str) else None,
+                remote if isinstance(remote, str) else None,
+            )
         except OSError as exc:
             logger.error("tiercheck: cannot write the checkpoint pointer %s: %r", target, exc)
             return
-        if before is not None and before != step:
-            self._release(before, os.path.dirname(target))
+        if before is not None and before.ref != ref:
+            self._release(before.ref)
 
-    def _release(self, step: int, directory: str) -> None:
-        """`step` lost a name: delete it from every tier unless a name still points at it
-        (after it is finished, if it is still being written)."""
-        if step in self._pending.values() or step in pointers_in(directory).values():
+    def _named(self, ref: Ref) -> bool:
+        if any(ref in refs for refs in self._pending.values()):
+            return True
+        return any(ref in _refs_in(d).values() for d in self._known_dirs())
+
+    def _release(self, ref: Ref) -> None:
+        """`ref` lost a name: delete it from every tier unless a pointer anywhere still names
+        it (after it is finished, if it is still being written)."""
+        if self._named(ref):
             return
-        handle = self._handles.get(step)
+        store = self._stores[ref[0]]
+        handle = store.handles.get(ref[1])
         if handle is not None and not handle.done():
-            self._doomed[step] = directory
+            store.doomed.add(ref[1])
             return
-        self._delete(step)
+        self._delete(ref)
 
-    def _on_done(self, handle: SaveHandle, tier: str, error: TiercheckError | None) -> None:
-        """Done callback (background thread): write the pointers of a step on its first
-        durable tier; once it is finished everywhere, delete it if it lost its names."""
+    def _on_done(self, store: _Store, handle: SaveHandle, error: TiercheckError | None) -> None:
+        """Done callback (background thread): write the pointers of a step durable now; once
+        it is finished everywhere, delete it if it lost its names."""
         with self._lock:
-            if self._ckpt is None:
+            if store.ckpt is None:
                 return
-            if error is None:
-                for target, step in list(self._pending.items()):
-                    if step == handle.step:
-                        del self._pending[target]
-                        self._repoint(target, step)
-            if not handle.done():
-                return
-            if self._handles.get(handle.step) is handle:
-                del self._handles[handle.step]
-                self._dirs.pop(handle.step, None)
-            for target, step in list(self._pending.items()):  # failed on every tier: no pointer
-                if step == handle.step:
-                    del self._pending[target]
-            directory = self._doomed.pop(handle.step, None)
-            if directory is not None:
-                self._release(handle.step, directory)
+            if handle.done() and store.handles.get(handle.step) is handle:
+                self._flush()  # before it leaves `handles`: a failed step is no pointer's
+                del store.handles[handle.step]
+                if handle.step in store.doomed:
+                    store.doomed.discard(handle.step)
+                    self._release((store.name, handle.step))
+            self._flush()
 
-    def _delete(self, step: int) -> None:
-        ckpt = self._ckpt
-        if ckpt is None:
-            return
+    def _delete(self, ref: Ref) -> None:
+        store = self._stores[ref[0]]
         try:
-            ckpt.delete(step)
+            self._checkpointer_of(store).delete(ref[1])
         except NoCheckpointError:
             pass
-        except StepInFlightError:  # finishing on its last tier right now
-            self._doomed[step] = self._dirs.get(step, "")
+        except StepInFlightError:  # finishing on its last tier right now: retried at the next flush
+            store.doomed.add(ref[1])
+        except ClosedError:  # a done callback of a closing session: the next session's removal deletes it
+            logger.warning("tiercheck: step %d lost its last name while closing; it stays on its tiers", ref[1])
 
-    def _resolve(self, target: str) -> int:
+    # -- the directories holding pointers ---------------------------------------------------------
+
+    def _dirs_file(self) -> str | None:
+        local = self._local
+        if isinstance(local, str):
+            return os.path.join(local, _DIRS_FILE)
+        if isinstance(local, Tier) and local.capabilities.local_files:
+            return os.path.join(local.local_dir(), _DIRS_FILE)
+        return None  # no tier 1: this session's directories only
+
+    def _known_dirs(self) -> set[str]:
+        if self._dirs is None:
+            self._dirs = set()
+            path = self._dirs_file()
+            doc: Any = None
+            if path is not None:
+                with contextlib.suppress(OSError, NoCheckpointError, ValueError, UnicodeDecodeError, RecursionError):
+                    data = _read_small_regular_file(path, _DIRS_MAX)
+                    doc = None if data is None or len(data) > _DIRS_MAX else json.loads(data.decode())
+            if isinstance(doc, dict) and doc.get("format") == _DIRS_FORMAT and isinstance(doc.get("dirs"), list):
+                self._dirs.update(d for d in doc["dirs"] if isinstance(d, str) and os.path.isabs(d))
+        return self._dirs
+
+    def _remember_dir(self, directory: str) -> None:
+        dirs = self._known_dirs()
+        if directory in dirs:
+            return
+        dirs.add(directory)
+        path = self._dirs_file()
+        if path is None:
+            return
+        body = json.dumps({"format": _DIRS_FORMAT, "dirs": sorted(dirs)}).encode() + b"\n"
+        try:
+            _write_atomically(path, body)
+        except OSError as exc:
+            logger.warning("tiercheck: cannot record the pointer directory %s in %s: %r", directory, path, exc)
+
+    # -- loading ------------------------------------------------------------------------------------
+
+    def _load(self, target: str) -> tuple[dict[str, Any], int]:
+        errors: list[NoCheckpointError] = []
+        for store, step in self._resolve(target):
+            try:
+                found = restore_from(self._tiers_of(self._stores[store]), None, step, 0, False)
+            except NoCheckpointError as exc:
+                errors.append(exc)
+                continue
+            assert found is not None and isinstance(found.value, dict)
+            return found.value, found.step
+        raise errors[0]
+
+    def _resolve(self, target: str) -> list[Ref]:
+        """The refs `target` may name, in the order to try them."""
         if is_last(target):
-            with self._lock:
-                ckpt = self._ckpt
-            if ckpt is not None:
-                ckpt.wait()  # this session's own saves count
-            committed = list_committed(read_tiers(self._local, self._remote, self._storage_options))
-            if not committed:
-                raise NoCheckpointError(f"{target}: no committed checkpoint in {self._where()}")
-            return max(committed)
+            with contextlib.suppress(NoCheckpointError):
+                doc = read_pointer_doc(target)
+                if doc is not None:
+                    return [self._newest(target, self._stores[doc.store])]
+            return [self._newest(target, self._stores[FULL])]
         with self._lock:
-            pending = self._pending.get(target)
-            handle = None if pending is None else self._handles.get(pending)
-        if pending is not None:
+            self._flush()
+            refs = list(self._pending.get(target, []))
+            handle = self._stores[refs[-1][0]].handles.get(refs[-1][1]) if refs else None
+        if refs:
             if handle is not None:
                 handle.exception()  # wait until it is finished on every tier
-            return pending
-        step = read_pointer(target)
-        if step is None:
-            step = step_in_name(target)
+            return [refs[-1]]
+        doc = read_pointer_doc(target)
+        if doc is not None:
+            return [doc.ref]
+        step = step_in_name(target)
         if step is None:
             raise NoCheckpointError(
                 f"{target}: no pointer file there and no step=N in its name; pass a path ModelCheckpoint "
                 f"wrote, or 'last' ({self._where()})"
             )
-        return step
+        return [(s.name, step) for s in self._stores.values() if s.usable]
 
-    def _start_branch(self, ckpt: Checkpointer, step: int, directory: str) -> None:
-        """Saving `step` when steps at or after it are committed: after a load of an older
-        step (a rollback), delete the abandoned ones first, as `Checkpointer.restore` does;
-        otherwise refuse (the directory holds another run's steps)."""
-        newest = ckpt.latest_step("local" if self._local is not None else "remote")
-        if newest is None or step > newest:
-            self._restored = None
-            return
-        restored = self._restored
-        if restored is None or step <= restored:
-            raise StepConflictError(
-                f"cannot save step {step} to {self._where()}: step {newest} is already committed there "
-                "(an earlier run's?). Resume with trainer.fit(..., ckpt_path='last'), or use another directory"
-            )
-        stale = [s for s in ckpt.steps() if s > restored]
-        for path, s in pointers_in(directory).items():
-            if s in stale:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        for s in reversed(stale):
-            self._delete(s)
-        self._restored = None
-        warnings.warn(
-            f"tiercheck: step {step} starts a new branch after loaded step {restored}; deleted the abandoned "
-            f"steps {stale}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-    def _where(self) -> str:
-        return ", ".join(x if isinstance(x, str) else x.location for x in (self._local, self._remote) if x)
+    def _newest(self, target: str, store: _Store) -> Ref:
+        with self._lock:
+            ckpt = store.ckpt
+        if ckpt is not None:
+            ckpt.wait()  # this session's own saves count
+        committed = list_committed(self._tiers_of(store)) if store.usable else {}
+        if not committed:
+            raise NoCheckpointError(f"{target}: no committed checkpoint in {self._where(store)}")
+        return (store.name, max(committed))
 
 
 def _name_last_checkpoint(checkpoint: dict[str, Any], path: str) -> None:
@@ -482,6 +801,65 @@ def _move(value: Any, device: torch.device) -> Any:
     if isinstance(value, tuple):
         return tuple(_move(v, device) for v in value)
     return value
+
+
+def _lightning_package(cls: type) -> str:
+    """``pytorch_lightning`` or ``lightning.pytorch``: whichever `cls` derives from."""
+    for package in ("pytorch_lightning", "lightning.pytorch"):
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(package)
+            if issubclass(cls, (module.LightningModule, module.LightningDataModule)):
+                return package
+    raise InvalidArgumentError(f"{cls!r} is not a LightningModule or LightningDataModule")
+
+
+def load_from_checkpoint(
+    cls: type,
+    checkpoint_path: str | os.PathLike[str],
+    io: _TiercheckIOImpl | None = None,
+    *,
+    map_location: Any | None = None,
+    strict: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a path TiercheckIO wrote.
+
+    Lightning's classmethod opens the file with ``torch.load`` and never calls the
+    ``CheckpointIO`` plugin, so it cannot read a pointer; this reads the checkpoint through
+    tiercheck (`io`, or the tiers the pointer was written for, a new node's pointer-less
+    path needing `io`) and then does what Lightning's does with it: version migration,
+    ``hyper_parameters`` (updated with `kwargs`) passed to ``cls``, ``on_load_checkpoint``,
+    ``load_state_dict(strict=strict)``, and the model moved to the checkpoint's device.
+
+    Example:
+        >>> model = load_from_checkpoint(Net, checkpoint_callback.best_model_path)  # doctest: +SKIP
+
+    Raises:
+        NoCheckpointError: the path resolves to no committed step.
+        CheckpointCorruptedError: that step fails verification on every tier.
+    """
+    path = os.path.abspath(os.fspath(checkpoint_path))
+    if io is None:
+        doc = read_pointer_doc(path)
+        if doc is None or (doc.local is None and doc.remote is None):
+            raise NoCheckpointError(
+                f"{path}: no tiercheck pointer there that says where its tiers are; pass "
+                "io=TiercheckIO(local=..., remote=...)"
+            )
+        io = TiercheckIO(local=doc.local, remote=doc.remote)
+    package = _lightning_package(cls)
+    saving = importlib.import_module(f"{package}.core.saving")
+    migration = importlib.import_module(f"{package}.utilities.migration.utils")
+    checkpoint = migration._pl_migrate_checkpoint(io.load_checkpoint(path, map_location), checkpoint_path=path)
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})  # type: ignore[attr-defined]
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)  # type: ignore[attr-defined]
+    module = importlib.import_module(package)
+    if issubclass(cls, module.LightningDataModule):
+        return saving._load_state(cls, checkpoint, **kwargs)
+    model = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
+    state_dict = checkpoint["state_dict"]
+    device = next((t for t in state_dict.values() if isinstance(t, torch.Tensor)), torch.tensor(0)).device
+    return model.to(device)
 
 
 class TiercheckIO(_TiercheckIOImpl, *_checkpoint_io_bases()):  # type: ignore[misc]
