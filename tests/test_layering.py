@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
         "dtypes",
         "checksum",
         "state",
+        "structure",
         "planner",
         "placement",
         "steporder",

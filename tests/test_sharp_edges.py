@@ -102,12 +102,13 @@ def test_a_forked_child_exits_at_once_while_the_parent_saves(tmp_path: Path) -> 
 
 
 def interrupt_nth_copy(n: int) -> Callable[[FrameType, str, Any], None]:
-    """A profile hook that raises KeyboardInterrupt as the `n`-th tensor copy starts, as a
-    Ctrl-C during the copy into host memory does."""
+    """A profile hook that raises KeyboardInterrupt as the `n`-th tensor copy call starts
+    (``copy_``, or ``_foreach_copy_`` of a batch: a small state is one batch, one call), as
+    a Ctrl-C during the copy into host memory does."""
     calls = [0]
 
     def hook(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "c_call" and getattr(arg, "__name__", "") == "copy_":
+        if event == "c_call" and getattr(arg, "__name__", "") in ("copy_", "_foreach_copy_"):
             calls[0] += 1
             if calls[0] == n:
                 raise KeyboardInterrupt
@@ -123,7 +124,7 @@ def test_a_save_retried_after_ctrl_c_commits_and_reports_it(tmp_path: Path) -> N
         local=tmp_path, keep_local=None, host_buffers=2, local_write_rate=2 << 20, direct_io=False
     ) as ckpt:
         ckpt.save(1, state)
-        sys.setprofile(interrupt_nth_copy(2))
+        sys.setprofile(interrupt_nth_copy(1))
         try:
             with pytest.raises(KeyboardInterrupt):
                 ckpt.save(2, state)
@@ -152,7 +153,7 @@ def test_the_first_save_retried_after_ctrl_c_is_not_a_step_conflict(tmp_path: Pa
     for attempt in range(5):
         root = tmp_path / str(attempt)
         with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
-            sys.setprofile(interrupt_nth_copy(2))
+            sys.setprofile(interrupt_nth_copy(1))
             try:
                 with pytest.raises(KeyboardInterrupt):
                     ckpt.save(2, state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import signal
@@ -39,9 +40,10 @@ from .restore import restore_collective, restore_from
 from .retention import RetentionPolicy
 from .runlog import DEFAULT_INTERVAL, RunLog
 from .schedule import SavePolicy
-from .staging import HostBufferPool, StageProgress, needs_pinned, stage_into
-from .state import FlatState, flatten_state, metric_values
+from .staging import HostBufferPool, StageProgress, layout_for, needs_pinned, stage_into
+from .state import FlatState, metric_values, tensor_versions
 from .steporder import Proceed, claim
+from .structure import StructureCache
 from .tiers.base import Tier
 from .trigger import SaveTrigger, SigtermState, sigterm_handler
 
@@ -205,6 +207,9 @@ class Checkpointer:
         self.world_size = opts.world_size
         self._pool = HostBufferPool(host_buffers)
         self._plans: dict[object, ShardPlan] = {}
+        # Per-save work that depends only on the state's structure, done once (structure.py).
+        self._structure = StructureCache()
+        self._last_plan: tuple[object, ShardPlan, bool] | None = None  # (leaves, plan, pinned)
         self._placement: tuple[tuple[object, ...], Placement] | None = None  # cached per key set
         self._lock = threading.RLock()  # save/restore/close are serialised
         self._latest_known: int | None = None
@@ -323,21 +328,22 @@ class Checkpointer:
             DirectoryInUseError: another live Checkpointer writes this rank of the directory.
         """
         self._check_open()
-        flat = flatten_state(state)
         with self._lock:
             self._check_open()
+            flat = self._flatten(state).flat
             self._pipeline.become_writer(self.rank, self.world_size)
             self._pipeline.start_catch_up()
-        plan = self._plan_for(flat)
-        buf = self._pool.acquire(plan.total_bytes, needs_pinned(flat.sources))
-        self._pool.release(buf)
+            plan = self._plan_for(flat)
+            buf = self._pool.acquire(plan.total_bytes, self._pinned(flat))
+            layout_for(buf, flat, plan)  # the views into the buffer, ahead of the first save
+            self._pool.release(buf)
 
     def _flatten(self, state: Mapping[Any, Any]) -> Placed:
         """This rank's part of `state` (`placement`): replicated keys another rank writes
         become references. The placement is computed once per set of replicated keys."""
         replicated = self._options.replicated
         if not replicated or not isinstance(state, Mapping):
-            return Placed(flatten_state(state), (), ())
+            return Placed(self._structure.flatten(state), (), ())
         keys = replicated_keys(state, replicated)
         cached = self._placement
         if cached is None or cached[0] != tuple(keys):
@@ -353,15 +359,24 @@ class Checkpointer:
                 tuple(keys),
                 place(keys, lambda: key_sizes(state, keys), job, self._options.replicated_writer),
             )
-        return split_state(state, self.rank, keys, cached[1])
+        return split_state(state, self.rank, keys, cached[1], self._structure.flatten)
 
     def _plan_for(self, flat: FlatState) -> ShardPlan:
+        last = self._last_plan
+        if last is not None and last[0] is flat.leaves:  # the structure cache's leaves: unchanged
+            return last[1]
         sig = flat.signature
         plan = self._plans.get(sig)
         if plan is None:
             self._plans.clear()  # the structure changed: keep one plan, not a growing cache
             plan = self._plans[sig] = plan_shard(flat.leaves)
+        self._last_plan = (flat.leaves, plan, needs_pinned(flat.sources))
         return plan
+
+    def _pinned(self, flat: FlatState) -> bool:
+        """Whether `flat` needs a pinned buffer (a source on CUDA), after `_plan_for(flat)`."""
+        last = self._last_plan
+        return last[2] if last is not None and last[0] is flat.leaves else needs_pinned(flat.sources)
 
     def save(
         self,
@@ -432,9 +447,12 @@ class Checkpointer:
                 )
                 allocations = self._pool.allocations
                 t1 = time.perf_counter()
-                buf = self._pool.acquire(plan.total_bytes, needs_pinned(placed.flat.sources))
+                buf = self._pool.acquire(plan.total_bytes, self._pinned(placed.flat))
                 t2 = time.perf_counter()
                 overlapped = self._overlapped(placed.flat, overlap)
+                flat = placed.flat
+                if overlapped and not flat.versions:  # the deferred copy compares them
+                    flat = dataclasses.replace(flat, versions=tensor_versions(flat.sources))
                 job = StagedSave(
                     step=step,
                     rank=self.rank,
@@ -449,7 +467,7 @@ class Checkpointer:
                     remote_owners=placed.remote_owners,
                     metrics=recorded,
                 )
-                self._stage(job, placed.flat, overlapped)
+                self._stage(job, flat, overlapped)
             except BaseException as exc:
                 # Nothing reached the pipeline (or it was taken back): tell the other ranks now.
                 if self._group is not None:

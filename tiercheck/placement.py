@@ -128,12 +128,19 @@ def place(keys: list[Any], sizes: Callable[[], Mapping[Any, int]], job: JobLayou
     return Placement(_balance(keys, sizes(), range(job.world_size)), {})
 
 
-def split_state(state: Mapping[Any, Any], rank: int, keys: list[Any], placement: Placement) -> Placed:
-    """Flatten what `rank` writes of `state`: every key but the replicated ones another rank
-    writes, which become ``replica`` references in the tree, in the state's key order."""
+def split_state(
+    state: Mapping[Any, Any],
+    rank: int,
+    keys: list[Any],
+    placement: Placement,
+    flatten: Callable[[Mapping[Any, Any]], FlatState] = flatten_state,
+) -> Placed:
+    """Flatten (with `flatten`) what `rank` writes of `state`: every key but the replicated
+    ones another rank writes, which become ``replica`` references in the tree, in the
+    state's key order."""
     owners = placement.owners
     encoded = {k: encode_key(k) for k in keys}
-    flat = flatten_state({k: v for k, v in state.items() if owners.get(k, rank) == rank})
+    flat = flatten({k: v for k, v in state.items() if owners.get(k, rank) == rank})
     mine = iter(zip(flat.tree["k"], flat.tree["v"], strict=True))
     tree_k: list[list[str]] = []
     tree_v: list[dict[str, Any]] = []

@@ -11,6 +11,7 @@ import contextlib
 import mmap
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 
 from .errors import InvalidArgumentError, SnapshotChangedError
 from .planner import ALIGNMENT, ShardPlan
-from .state import FlatState
+from .state import FlatState, Leaf
 
 
 class HostBuffer:
@@ -37,11 +38,14 @@ class HostBuffer:
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.array: np.ndarray[Any, np.dtype[np.uint8]] = self.tensor.numpy()
         self.aligned = self.tensor.data_ptr() % ALIGNMENT == 0
+        # The views of the last structure copied into this buffer (`layout_for`).
+        self.layout: tuple[tuple[object, ...], dict[bool | None, _Group]] | None = None
 
     def view(self, nbytes: int) -> memoryview:
         return memoryview(self.array[:nbytes])  # type: ignore[arg-type]
 
     def free(self) -> None:
+        self.layout = None  # its views keep the memory alive
         del self.array
         del self.tensor
         if self._mmap is not None:
@@ -141,6 +145,86 @@ def needs_pinned(sources: Sequence[object]) -> bool:
     return any(isinstance(s, torch.Tensor) and s.device.type == "cuda" for s in sources)
 
 
+# Copies per torch._foreach_copy_ call, and bytes: small enough that a deferred copy checks
+# the version counters soon after each tensor's copy, large enough that the per-call cost
+# vanishes (one call replaces this many Python-level copy_ calls).
+_BATCH_LEAVES = 1024
+_BATCH_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class _Group:
+    """The leaves one `stage_into` call copies, by how they are copied, with their
+    destination views in the buffer and the batches the CPU and CUDA copies run in."""
+
+    cpu: list[int] = field(default_factory=list)
+    cpu_dst: list[torch.Tensor] = field(default_factory=list)
+    cpu_batches: list[tuple[int, int]] = field(default_factory=list)
+    cuda: list[int] = field(default_factory=list)
+    cuda_dst: list[torch.Tensor] = field(default_factory=list)
+    cuda_batches: list[tuple[int, int]] = field(default_factory=list)
+    other: list[tuple[int, Any]] = field(default_factory=list)  # numpy arrays and bytes
+    all_sources: bool = False  # cpu == range(len(sources)): no gathering needed
+
+
+def _batches(leaves: Sequence[Leaf], idx: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    start, nbytes = 0, 0
+    for j, i in enumerate(idx):
+        if j > start and (j - start >= _BATCH_LEAVES or nbytes + leaves[i].nbytes > _BATCH_BYTES):
+            out.append((start, j))
+            start, nbytes = j, 0
+        nbytes += leaves[i].nbytes
+    if start < len(idx):
+        out.append((start, len(idx)))
+    return out
+
+
+def _build_layout(buf: HostBuffer, flat: FlatState, plan: ShardPlan) -> dict[bool | None, _Group]:
+    groups: dict[bool | None, _Group] = {None: _Group(), False: _Group(), True: _Group()}
+    flags = flat.deferrable or (False,) * len(flat.leaves)
+    for i, (leaf, src, off, flag) in enumerate(zip(flat.leaves, flat.sources, plan.offsets, flags, strict=True)):
+        if leaf.alias_of is not None or leaf.nbytes == 0:
+            continue
+        dst: Any
+        if isinstance(src, torch.Tensor):
+            dst = buf.tensor[off : off + leaf.nbytes].view(src.dtype).view(src.shape)
+        elif isinstance(src, np.ndarray):
+            dst = buf.array[off : off + leaf.nbytes].view(src.dtype).reshape(src.shape)
+        else:
+            dst = buf.array[off : off + leaf.nbytes]
+        for g in (groups[None], groups[flag]):
+            if not isinstance(src, torch.Tensor):
+                g.other.append((i, dst))
+            elif src.device.type == "cuda":
+                g.cuda.append(i)
+                g.cuda_dst.append(dst)
+            else:
+                g.cpu.append(i)
+                g.cpu_dst.append(dst)
+    for g in groups.values():
+        g.cpu_batches = _batches(flat.leaves, g.cpu)
+        g.cuda_batches = _batches(flat.leaves, g.cuda)
+        g.all_sources = g.cpu == list(range(len(flat.sources)))
+    return groups
+
+
+def layout_for(buf: HostBuffer, flat: FlatState, plan: ShardPlan) -> dict[bool | None, _Group]:
+    """The destination views and copy groups of `flat` in `buf`, built once per structure.
+
+    Reused while `flat.leaves`, `flat.deferrable` and `plan` are the very objects they were
+    built for: only `structure.StructureCache` hands out the same leaves tuple again, and
+    only after checking that every source still has the dtype, shape and device the views
+    were made for. A fresh `flatten_state` makes new tuples, so new views."""
+    key = (flat.leaves, flat.deferrable, plan)
+    cached = buf.layout
+    if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
+        return cached[1]
+    groups = _build_layout(buf, flat, plan)
+    buf.layout = (key, groups)
+    return groups
+
+
 def stage_into(
     buf: HostBuffer,
     flat: FlatState,
@@ -154,44 +238,32 @@ def stage_into(
     only the others, None all of them. `progress`, for a full copy, is advanced to the
     whole buffer once the copy is done (see `StageProgress` for why not leaf by leaf).
 
-    CUDA tensors are copied on a side stream with non_blocking copies into pinned memory,
-    then synchronised once, so the default stream of the training loop is not serialised
-    behind the device-to-host transfer.
+    Tensors are copied with ``torch._foreach_copy_`` in batches (`_BATCH_LEAVES`), into
+    views built once per structure (`layout_for`): a state of many small tensors costs one
+    call per batch, not one per tensor. Each copy is a ``copy_`` between tensors of the same
+    dtype and shape, so bit-exact for every dtype; non-contiguous sources are read through
+    their strides. CUDA tensors are copied on a side stream with non_blocking copies into
+    pinned memory, then synchronised once, so the default stream of the training loop is
+    not serialised behind the device-to-host transfer.
     """
-    cuda_stream = None
-    flags = flat.deferrable or (False,) * len(flat.leaves)
+    group = layout_for(buf, flat, plan)[deferred]
     # A deferred copy runs while training goes on: a tensor changed in place since save()
     # (its version counter moved) may have been copied torn, so the step must fail.
-    check = deferred is True and bool(flat.versions)
+    check = deferred is True
+    if check and len(flat.versions) != len(flat.leaves):
+        raise RuntimeError("tiercheck internal error: a deferred copy without the version counters")
     changed: list[str] = []
-    on_device: list[int] = []
-    for i, (leaf, src, off, flag) in enumerate(zip(flat.leaves, flat.sources, plan.offsets, flags, strict=True)):
-        if leaf.alias_of is not None or leaf.nbytes == 0 or (deferred is not None and flag != deferred):
-            continue
-        if isinstance(src, torch.Tensor):
-            dst = buf.tensor[off : off + leaf.nbytes].view(src.dtype).view(src.shape)
-            if src.device.type == "cuda":
-                if cuda_stream is None:
-                    cuda_stream = torch.cuda.Stream(device=src.device)  # type: ignore[no-untyped-call]
-                    cuda_stream.wait_stream(torch.cuda.current_stream(src.device))
-                with torch.cuda.stream(cuda_stream):
-                    dst.copy_(src, non_blocking=True)
-                    src.record_stream(cuda_stream)
-                on_device.append(i)
+    with torch.no_grad():
+        _copy_cpu(group, flat, changed if check else None)
+        if group.cuda:
+            _copy_cuda(group, flat, changed if check else None)
+        for i, dst in group.other:
+            src = flat.sources[i]
+            if isinstance(src, np.ndarray):
+                np.copyto(dst, src, casting="no")
             else:
-                dst.copy_(src)
-                if check and src._version != flat.versions[i]:
-                    changed.append(leaf.path)
-        elif isinstance(src, np.ndarray):
-            dst_np = buf.array[off : off + leaf.nbytes].view(src.dtype).reshape(src.shape)
-            np.copyto(dst_np, src, casting="no")
-        else:
-            assert isinstance(src, bytes)
-            buf.array[off : off + leaf.nbytes] = np.frombuffer(src, dtype=np.uint8)
-    if cuda_stream is not None:
-        cuda_stream.synchronize()
-    if check:
-        changed += [flat.leaves[i].path for i in on_device if _version(flat.sources[i]) != flat.versions[i]]
+                assert isinstance(src, bytes)
+                dst[:] = np.frombuffer(src, dtype=np.uint8)
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
         raise SnapshotChangedError(
@@ -204,6 +276,38 @@ def stage_into(
         progress.advance(plan.total_bytes)
 
 
-def _version(src: object) -> int:
-    assert isinstance(src, torch.Tensor)
-    return src._version
+def _changed(flat: FlatState, idx: list[int], srcs: Sequence[torch.Tensor]) -> list[str]:
+    """The paths of `srcs` (leaves `idx`) whose version counter moved since save()."""
+    now = [s._version for s in srcs]
+    then = [flat.versions[i] for i in idx]
+    if now == then:
+        return []
+    return [flat.leaves[i].path for i, a, b in zip(idx, now, then, strict=True) if a != b]
+
+
+def _copy_cpu(group: _Group, flat: FlatState, changed: list[str] | None) -> None:
+    idx = group.cpu
+    if not idx:
+        return
+    sources = flat.sources
+    srcs: Sequence[Any] = sources if group.all_sources else [sources[i] for i in idx]
+    for a, b in group.cpu_batches:
+        part = list(srcs[a:b])
+        torch._foreach_copy_(group.cpu_dst[a:b], part)
+        if changed is not None:
+            changed += _changed(flat, idx[a:b], part)
+
+
+def _copy_cuda(group: _Group, flat: FlatState, changed: list[str] | None) -> None:
+    srcs: list[Any] = [flat.sources[i] for i in group.cuda]
+    device = srcs[0].device
+    stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for a, b in group.cuda_batches:
+            torch._foreach_copy_(group.cuda_dst[a:b], srcs[a:b], non_blocking=True)
+        for s in srcs:
+            s.record_stream(stream)
+    stream.synchronize()
+    if changed is not None:
+        changed += _changed(flat, group.cuda, srcs)

@@ -7,7 +7,7 @@ plain values are encoded exactly (ints of any size as decimal strings, floats as
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,12 @@ def flatten_state(state: Mapping[Any, Any]) -> FlatState:
     Raises:
         UnsupportedStateError: a value, key or dtype the format cannot store; names its key path.
     """
+    return flatten_traced(state)[0]
+
+
+def flatten_traced(state: Mapping[Any, Any]) -> tuple[FlatState, list[Mapping[Any, Any]]]:
+    """`flatten_state`, plus what each stateful object's ``state_dict()`` returned, in the
+    order they were met (so that `structure.StructureCache` need not call them again)."""
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
             f"state must be a mapping (a dict of tensors, modules, optimizers, ...), got {type(state).__name__}"
@@ -136,15 +142,21 @@ def flatten_state(state: Mapping[Any, Any]) -> FlatState:
         for leaf, param in zip(builder.leaves, builder.param_of, strict=True)
         if param is not None and param not in guarded
     )
-    return FlatState(
+    flat = FlatState(
         tree=tree,
         leaves=tuple(builder.leaves),
         sources=tuple(builder.sources),
         deferrable=tuple(deferrable),
         optimizers=tuple(builder.optimizers),
-        versions=tuple(s._version if isinstance(s, torch.Tensor) else -1 for s in builder.sources),
+        versions=tensor_versions(builder.sources),
         unguarded=unguarded,
     )
+    return flat, builder.inner
+
+
+def tensor_versions(sources: Sequence[object]) -> tuple[int, ...]:
+    """Per source: a tensor's version counter (it moves at every in-place change), -1 for others."""
+    return tuple(s._version if isinstance(s, torch.Tensor) else -1 for s in sources)
 
 
 class _Flattener:
@@ -158,6 +170,7 @@ class _Flattener:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._params: set[tuple[torch.device, int]] = set()  # parameters of enclosing modules
         self._in_optimizer = 0
+        self.inner: list[Mapping[Any, Any]] = []  # each state_dict() result, in visit order
 
     def node(self, value: object, path: str, depth: int = 0) -> JsonNode:
         if depth > MAX_DEPTH:
@@ -196,6 +209,7 @@ class _Flattener:
                 )
             if id(value) in self._on_path:
                 raise UnsupportedStateError(f"{path}: the state contains a reference cycle")
+            self.inner.append(inner)
             self._on_path.add(id(value))
             is_opt = isinstance(value, torch.optim.Optimizer)
             params = (
