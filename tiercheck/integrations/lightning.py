@@ -304,20 +304,37 @@ def write_pointer(path: str, step: int, store: str = FULL, local: str | None = N
     _write_atomically(path, _pointer_bytes(path, Pointer(step, store, local, remote)))
 
 
-def _refs_in(directory: str) -> dict[str, Ref]:
+_FileId = tuple[int, int, int]  # inode, size, mtime: a pointer is replaced by a rename
+
+
+def _refs_in(directory: str, cache: dict[str, tuple[_FileId, Ref | None]] | None = None) -> dict[str, Ref]:
+    """Every pointer (``*.ckpt``) in `directory` and what it names; with `cache`, a file
+    not changed since it was last read is not read again (every save moving ``last.ckpt``
+    asks whether a pointer still names the step it named)."""
     found: dict[str, Ref] = {}
     try:
-        names = os.listdir(directory)
+        entries = list(os.scandir(directory))
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return found
-    for name in names:
-        if not name.endswith(".ckpt"):
+    for entry in entries:
+        if not entry.name.endswith(".ckpt"):
             continue
-        path = os.path.join(directory, name)
+        ref: Ref | None = None
         with contextlib.suppress(NoCheckpointError, OSError):
-            doc = read_pointer_doc(path)
-            if doc is not None:
-                found[path] = doc.ref
+            st = entry.stat()
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            known = None if cache is None else cache.get(entry.path)
+            if known is not None and known[0] == key:
+                ref = known[1]
+            else:
+                if cache is not None:
+                    cache[entry.path] = (key, None)  # not a pointer, unless read as one below
+                doc = read_pointer_doc(entry.path)
+                ref = None if doc is None else doc.ref
+                if cache is not None:
+                    cache[entry.path] = (key, ref)
+        if ref is not None:
+            found[entry.path] = ref
     return found
 
 
@@ -391,6 +408,7 @@ class _TiercheckIOImpl:
         # names the newest of them that is durable, and the last one once that is.
         self._pending: dict[str, list[Ref]] = {}
         self._dirs: set[str] | None = None  # every directory holding pointers (loaded lazily)
+        self._read: dict[str, tuple[_FileId, Ref | None]] = {}  # `_refs_in`'s cache
 
     # -- the Checkpointers (global rank 0 only: created at the first save or removal) ------
 
@@ -644,7 +662,7 @@ class _TiercheckIOImpl:
     def _named(self, ref: Ref) -> bool:
         if any(ref in refs for refs in self._pending.values()):
             return True
-        return any(ref in _refs_in(d).values() for d in self._known_dirs())
+        return any(ref in _refs_in(d, self._read).values() for d in self._known_dirs())
 
     def _release(self, ref: Ref) -> None:
         """`ref` lost a name: delete it from every tier unless a pointer anywhere still names
