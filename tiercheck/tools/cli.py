@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         doc, text = _COMMANDS[args.cmd](args)
     except CheckpointCorruptedError as exc:
+        if args.cmd == "import":  # the source is damaged (or hostile), not a step
+            return _fail(args, exc, EXIT_DAMAGED, "the source is not a readable checkpoint of its format")
         return _fail(args, exc, EXIT_DAMAGED, "run `tiercheck verify` on the step; restore falls back to an older one")
     except NoCheckpointError as exc:
         return _fail(args, exc, EXIT_USAGE, "check the location and the step (`tiercheck ls LOCATION`)")

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import io
 import itertools
 import json
 import mmap
 import os
 import pickle
+import stat
 import sys
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
@@ -38,12 +38,18 @@ from typing import Any
 import torch
 
 from ..dtypes import TORCH_DTYPES
-from ..errors import CheckpointCorruptedError, NoCheckpointError, StepConflictError, UnsupportedStateError
+from ..errors import (
+    CheckpointCorruptedError,
+    InvalidArgumentError,
+    NoCheckpointError,
+    StepConflictError,
+    UnsupportedStateError,
+)
 from ..options import open_default_tier
 from ..progress import ProgressCallback
-from ..state import flatten_state
+from ..state import MAX_DEPTH, flatten_state
+from .dcp_source import DcpSource
 from .step_writer import BLOCK, Chunk, memory_chunks, write_step
-from .to_dcp import dcp_call
 from .to_safetensors import MAX_HEADER, SAFETENSORS_DTYPES
 
 __all__ = ["SOURCE_FORMATS", "ImportResult", "import_step", "source_format"]
@@ -71,6 +77,7 @@ def source_format(source: str | os.PathLike[str], format: str | None = None) -> 
 
     Raises:
         NoCheckpointError: `source` does not exist.
+        InvalidArgumentError: `source` is not a regular file or directory (a FIFO, a device).
         ValueError: an unknown `format`.
     """
     if format is not None:
@@ -80,11 +87,15 @@ def source_format(source: str | os.PathLike[str], format: str | None = None) -> 
     path = os.fspath(source)
     if os.path.isdir(path):
         return "dcp"
+    fd = _open_source_file(path)
     try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except FileNotFoundError:
-        raise NoCheckpointError(f"{path}: no such file or directory") from None
+        return _format_of(fd)
+    finally:
+        os.close(fd)
+
+
+def _format_of(fd: int) -> str:
+    head = os.pread(fd, 9, 0)
     if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
         return "safetensors"
     return "pt"
@@ -137,14 +148,68 @@ def import_step(
     if type(step) is not int or step < 0:
         raise UnsupportedStateError(f"step must be a non-negative int, got {step!r}")
     src = os.fspath(source)
-    fmt = source_format(src, format)
     sources = _Sources()
+    try:
+        fmt, state = _read_source(src, format, sources)
+        return _commit(src, fmt, state, sources, location, step, prefix, int_keys, storage_options, progress)
+    finally:
+        sources.close()
+
+
+def _read_source(src: str, format: str | None, sources: _Sources) -> tuple[str, Any]:
+    """The source's format and state; a file is opened once, checked to be a regular file,
+    and read only through that descriptor (`_fd_path`), never reopened by its name."""
+    if format is not None:
+        source_format(src, format)  # checks the name
+    if format == "dcp" or (format is None and os.path.isdir(src)):
+        return "dcp", _read_dcp(src, sources)
+    fd = _open_source_file(src)
+    sources.closers.append(functools.partial(os.close, fd))
+    fmt = format or _format_of(fd)
     if fmt == "pt":
-        state = _read_torch(src, sources)
-    elif fmt == "safetensors":
-        state = _read_safetensors(src, sources)
-    else:
-        state = _read_dcp(src, sources)
+        return fmt, _read_torch(src, _fd_path(fd, src), sources)
+    return fmt, _read_safetensors(src, fd, sources)
+
+
+def _open_source_file(path: str) -> int:
+    """A descriptor of the regular file at `path` (a symlink to one is followed: a user's
+    own link, e.g. a Hugging Face cache's). ``O_NONBLOCK`` so that a FIFO cannot block the
+    open; the type is checked before opening (opening a device can act on it) and after."""
+    try:
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                return fd
+            os.close(fd)
+    except FileNotFoundError:
+        raise NoCheckpointError(f"{path}: no such file or directory") from None
+    raise InvalidArgumentError(
+        f"{path}: {'a directory' if stat.S_ISDIR(st.st_mode) else 'not a regular file'}; "
+        "tiercheck imports regular files (and DCP directories)"
+    )
+
+
+def _fd_path(fd: int, path: str) -> str:
+    """A name for the already-checked open file `fd`, for readers that want a path (its
+    name could be pointed elsewhere after the check): /proc/self/fd/N where there is one."""
+    proc = f"/proc/self/fd/{fd}"
+    return proc if os.path.exists(proc) else path
+
+
+def _commit(
+    src: str,
+    fmt: str,
+    state: Any,
+    sources: _Sources,
+    location: str | os.PathLike[str],
+    step: int,
+    prefix: str | None,
+    int_keys: bool,
+    storage_options: Mapping[str, Any] | None,
+    progress: ProgressCallback | None,
+) -> ImportResult:
     if prefix:
         for key in reversed(prefix.split(".")):
             state = {key: state}
@@ -153,10 +218,10 @@ def import_step(
             f"{src}: holds a {type(state).__name__}, not a dict; name the key to save it under (prefix)"
         )
     if int_keys:
-        state = _int_keys(state)
+        state = _int_keys(state, src)
+    flat = flatten_state(state)  # first: it refuses a state nested too deep for the walks below
     tensors, nbytes = _count_tensors(state)
     keys = tuple(state)
-    flat = flatten_state(state)
     loc = os.fspath(location)
     tier = open_default_tier(loc, storage_options)
     # As a Checkpointer's first save: the one writer of the directory (a running job's
@@ -190,6 +255,11 @@ class _Sources:
     def __init__(self) -> None:
         self._lazy: dict[int, Callable[[], Iterator[Chunk]]] = {}
         self.release: Callable[[int, int], None] | None = None
+        self.closers: list[Callable[[], None]] = []  # the source's open files, closed after the import
+
+    def close(self) -> None:
+        while self.closers:
+            self.closers.pop()()
 
     def stand_in(self, dtype: torch.dtype, shape: tuple[int, ...], read: Callable[[], Iterator[Chunk]]) -> torch.Tensor:
         t = torch.empty((), dtype=dtype).expand(shape)
@@ -204,24 +274,20 @@ class _Sources:
         return memory_chunks(source, BLOCK, self.release)
 
 
-def _pread_chunks(path: str, offset: int, n: int) -> Iterator[Chunk]:
-    """Bytes [offset, offset + n) of the file at `path`, in chunks of one reused buffer."""
+def _pread_chunks(fd: int, path: str, offset: int, n: int) -> Iterator[Chunk]:
+    """Bytes [offset, offset + n) of the open file `fd` (named `path`), in chunks of one reused buffer."""
     if n == 0:
         return
     buf = bytearray(min(n, BLOCK))
     view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        pos = 0
-        while pos < n:
-            k = min(len(buf), n - pos)
-            got = os.preadv(fd, [view[:k]], offset + pos)
-            if got <= 0:
-                raise CheckpointCorruptedError(f"{path}: file ends at byte {offset + pos}, expected {offset + n}")
-            yield view[:got]
-            pos += got
-    finally:
-        os.close(fd)
+    pos = 0
+    while pos < n:
+        k = min(len(buf), n - pos)
+        got = os.preadv(fd, [view[:k]], offset + pos)
+        if got <= 0:
+            raise CheckpointCorruptedError(f"{path}: file ends at byte {offset + pos}, expected {offset + n}")
+        yield view[:got]
+        pos += got
 
 
 def _count_tensors(state: object) -> tuple[int, int]:
@@ -236,13 +302,15 @@ def _count_tensors(state: object) -> tuple[int, int]:
     return count, size
 
 
-def _int_keys(value: object) -> Any:
+def _int_keys(value: object, src: str, depth: int = 0) -> Any:
+    if depth > MAX_DEPTH:
+        raise UnsupportedStateError(f"{src}: the state is nested more than {MAX_DEPTH} levels deep")
     if isinstance(value, Mapping):
-        return {_as_int(k): _int_keys(v) for k, v in value.items()}
+        return {_as_int(k): _int_keys(v, src, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [_int_keys(v) for v in value]
+        return [_int_keys(v, src, depth + 1) for v in value]
     if isinstance(value, tuple):
-        return tuple(_int_keys(v) for v in value)
+        return tuple(_int_keys(v, src, depth + 1) for v in value)
     return value
 
 
@@ -255,14 +323,15 @@ def _as_int(k: object) -> object:
 # ------------------------------------------------------------------ torch.save
 
 
-def _read_torch(src: str, sources: _Sources) -> Any:
+def _read_torch(src: str, path: str, sources: _Sources) -> Any:
+    """`src` read through `path`, the name of its checked open descriptor."""
     try:
         try:
-            state = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as exc:
             if "mmap" not in str(exc):  # a legacy (non-zip) file cannot be mapped: read it whole
                 raise
-            return torch.load(src, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsupportedStateError(
             f"{src}: torch.load(weights_only=True) refused it (tiercheck never unpickles code): {exc}"
@@ -271,8 +340,8 @@ def _read_torch(src: str, sources: _Sources) -> Any:
         raise NoCheckpointError(f"{src}: no such file") from None
     except (RuntimeError, EOFError, ValueError) as exc:
         raise CheckpointCorruptedError(f"{src}: not a readable torch.save file: {exc}") from None
-    if _native_byte_order(src):
-        sources.release = _MappedPages.of(src)
+    if _native_byte_order(path):
+        sources.release = _MappedPages.of(path)
     return state
 
 
@@ -353,20 +422,21 @@ if "float8_e8m0fnu" in TORCH_DTYPES:
     _FROM_SAFETENSORS["F8_E8M0"] = TORCH_DTYPES["float8_e8m0fnu"]
 
 
-def _read_safetensors(src: str, sources: _Sources) -> dict[str, torch.Tensor]:
+def _read_safetensors(src: str, fd: int, sources: _Sources) -> dict[str, torch.Tensor]:
+    """`src` read through its checked open descriptor `fd`."""
     from safetensors import SafetensorError, safe_open  # optional dependency: tiercheck[safetensors]
 
     try:
-        with safe_open(src, framework="pt", device="cpu") as f:  # checks the header and the offsets
+        # safe_open checks the header (its size, nesting, JSON) and the offsets, in Rust
+        with safe_open(_fd_path(fd, src), framework="pt", device="cpu") as f:
             names = list(f.keys())
-        with open(src, "rb") as raw:
-            n = int.from_bytes(raw.read(8), "little")
-            if n > MAX_HEADER:
-                raise ValueError(f"header of {n} bytes")
-            header = json.loads(raw.read(n))
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if n > MAX_HEADER:
+            raise ValueError(f"header of {n} bytes")
+        header = json.loads(os.pread(fd, n, 8))
     except FileNotFoundError:
         raise NoCheckpointError(f"{src}: no such file") from None
-    except (SafetensorError, OSError, ValueError) as exc:
+    except (SafetensorError, OSError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptedError(f"{src}: not a readable safetensors file: {exc}") from None
     start = 8 + n
     state: dict[str, torch.Tensor] = {}
@@ -383,7 +453,8 @@ def _read_safetensors(src: str, sources: _Sources) -> dict[str, torch.Tensor]:
         begin, end = info["data_offsets"]
         if end - begin != dtype.itemsize * _numel(shape):
             raise CheckpointCorruptedError(f"{src}: tensor {name!r}: {end - begin} bytes for shape {list(shape)}")
-        state[name] = sources.stand_in(dtype, shape, functools.partial(_pread_chunks, src, start + begin, end - begin))
+        read = functools.partial(_pread_chunks, fd, src, start + begin, end - begin)
+        state[name] = sources.stand_in(dtype, shape, read)
     return state
 
 
@@ -397,138 +468,51 @@ def _numel(shape: tuple[int, ...]) -> int:
 # ------------------------------------------------------------------ DCP
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only what DCP's ``.metadata`` holds: its metadata dataclasses, torch sizes,
-    dtypes, layouts and memory formats, and paths; any other global is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _allowed_globals()
-        if (module, name) in allowed:
-            return allowed[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not DCP metadata")
-
-
-def _allowed_globals() -> dict[tuple[str, str], Any]:
-    import collections
-    import pathlib
-
-    import torch.distributed.checkpoint.filesystem as fs
-    import torch.distributed.checkpoint.metadata as md
-
-    allowed: dict[tuple[str, str], Any] = {
-        ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("pathlib", "PosixPath"): pathlib.PosixPath,
-        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    }
-    storage_info = getattr(fs, "_StorageInfo", None)  # where each item's bytes are
-    if storage_info is not None:
-        allowed[(fs.__name__, "_StorageInfo")] = storage_info
-    for name in dir(md):
-        obj = getattr(md, name)
-        if isinstance(obj, type) and obj.__module__ == md.__name__:
-            allowed[(md.__name__, name)] = obj
-    return allowed
-
-
-def _read_dcp_metadata(path: str) -> Any:
-    meta_path = os.path.join(path, ".metadata")
-    try:
-        with open(meta_path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise NoCheckpointError(f"{path}: no .metadata: not a DCP checkpoint directory") from None
-    try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as exc:
-        raise UnsupportedStateError(f"{meta_path}: {exc}") from None
-    except Exception as exc:  # a truncated or garbled pickle raises many kinds of error
-        raise CheckpointCorruptedError(f"{meta_path}: not readable DCP metadata: {exc!r}") from None
-
-
 def _read_dcp(src: str, sources: _Sources) -> dict[str, Any]:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-
-    raw = _read_dcp_metadata(src)
-    if not isinstance(raw, Metadata):
-        raise CheckpointCorruptedError(f"{src}/.metadata: holds a {type(raw).__name__}, not DCP Metadata")
-    metadata: Metadata = raw
-    load = _dcp_loader(src, metadata)
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    values: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            tensors[fqn] = (tuple(md.size), md.properties.dtype)
-        elif isinstance(md, BytesStorageMetadata):
-            values[fqn] = None
-        else:
-            raise CheckpointCorruptedError(f"{src}/.metadata: unknown item kind {type(md).__name__} for {fqn!r}")
-    if values:  # the plain values (pickled by DCP): small, read now
-        values = load(values)
-    reader = _DcpTensors(load, tensors)
-    paths = metadata.planner_data or {}
+    """The nested state of the DCP directory `src`, its tensors as stand-ins read when written;
+    the whole directory is checked first (`dcp_source`), before anything is written."""
+    source = DcpSource(src)
+    sources.closers.append(source.close)
+    values = source.read_values()  # the plain values (pickled by DCP): small, read now
     nested: dict[str, Any] = {}
-    for fqn in metadata.state_dict_metadata:
-        if fqn in tensors:
-            shape, dtype = tensors[fqn]
-            value: object = sources.stand_in(dtype, shape, functools.partial(reader.chunks, fqn))
+    placed = _Placed()
+    for fqn in source.order:
+        spec = source.tensors.get(fqn)
+        if spec is not None:
+            value: object = sources.stand_in(spec.dtype, spec.shape, functools.partial(_tensor_chunks, source, fqn))
         else:
             value = values[fqn]
-        _set_path(nested, tuple(paths.get(fqn, (fqn,))), value)
+        path = source.paths.get(fqn, (fqn,))
+        placed.claim(path, f"{src}/.metadata")
+        _set_path(nested, path, value, f"{src}/.metadata")
     return nested
 
 
-def _dcp_loader(src: str, metadata: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """``load(items)``: the values of `items` (fqn -> an empty tensor of the item's size and
-    dtype, or None for a pickled value), read by DCP's own reader from `src`."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.planner import ReadItem
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return metadata  # read once, by the restricted unpickler
-
-    class SafePlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-            try:
-                self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as exc:
-                raise UnsupportedStateError(
-                    f"{src}: value {read_item.dest_index.fqn!r}: torch.load(weights_only=True) refused it: {exc}"
-                ) from None
-
-    def load(items: dict[str, Any]) -> dict[str, Any]:
-        with dcp_call():
-            planner = SafePlanner(flatten_state_dict=False)
-            dcp_load(items, storage_reader=SafeReader(src), planner=planner, no_dist=True)
-        return {fqn: planner.state_dict.get(fqn, value) for fqn, value in items.items()}  # values land in its copy
-
-    return load
+def _tensor_chunks(source: DcpSource, fqn: str) -> Iterator[Chunk]:
+    return memory_chunks(source.tensor(fqn), BLOCK)
 
 
-class _DcpTensors:
-    """DCP tensors read one at a time, as each is written, by DCP's own reader (which holds
-    a tensor about three times while it reads it: its bytes, the tensor it loads, the copy)."""
+class _Placed:
+    """The key paths already given a value: a path repeated, or one below another's value,
+    would silently replace a value (or put one inside it)."""
 
-    def __init__(self, load: Callable[[dict[str, Any]], dict[str, Any]], tensors: dict[str, Any]) -> None:
-        self._load = load
-        self._tensors = tensors
+    def __init__(self) -> None:
+        self._leaves: set[tuple[Any, ...]] = set()
+        self._inner: set[tuple[Any, ...]] = set()
 
-    def chunks(self, fqn: str) -> Iterator[Chunk]:
-        shape, dtype = self._tensors[fqn]
-        tensor = self._load({fqn: torch.empty(shape, dtype=dtype)})[fqn]
-        return memory_chunks(tensor, BLOCK)
+    def claim(self, path: tuple[Any, ...], where: str) -> None:
+        if path in self._leaves or path in self._inner or any(path[:i] in self._leaves for i in range(1, len(path))):
+            raise CheckpointCorruptedError(f"{where}: planner data puts two values at or below {list(path)}")
+        self._leaves.add(path)
+        self._inner.update(path[:i] for i in range(1, len(path)))
 
 
-def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: object) -> None:
-    """DCP's unflattening (its `set_element`): str keys are dict keys, ints list indices."""
+def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: object, where: str) -> None:
+    """DCP's unflattening (its `set_element`): str keys are dict keys, ints list indices
+    (`dcp_source` bounds them by the number of items, and `_Placed` keeps paths apart)."""
     container: Any = root
     for key, nxt in itertools.pairwise(path):
+        _check_key(container, key, path, where)
         empty: Any = [] if type(nxt) is int else {}
         if isinstance(container, list):
             while len(container) <= key:
@@ -539,8 +523,16 @@ def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: object) -> Non
             container[key] = empty
         container = container[key]
         if not isinstance(container, (dict, list)):
-            raise CheckpointCorruptedError(f"DCP planner data nests a value below another value at {list(path)}")
+            raise CheckpointCorruptedError(f"{where}: planner data nests a value below another value at {list(path)}")
+    _check_key(container, path[-1], path, where)
     if isinstance(container, list):
         while len(container) <= path[-1]:
             container.append(None)
     container[path[-1]] = value
+
+
+def _check_key(container: object, key: object, path: tuple[Any, ...], where: str) -> None:
+    if isinstance(container, list) != (type(key) is int):
+        raise CheckpointCorruptedError(
+            f"{where}: planner data indexes a {type(container).__name__} with {key!r} at {list(path)}"
+        )
