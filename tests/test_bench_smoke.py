@@ -116,3 +116,17 @@ def test_isolated_runs_merge_into_one_report() -> None:
     assert lost["of_medians"] == 3.0 / 5.0
     assert lost["paired_median"] == 0.5  # median of 1/2, 8/4, 3/6, 3/6
     assert rep["config"]["repeats"] == 4 and rep["config"]["loadavg_end"] == (4, 0, 0)
+
+
+def test_save_stall_of_many_small_tensors_follows_the_bytes(tmp_path: Path) -> None:
+    """5,000 tensors of 1 KiB: save()'s stall over a plain per-tensor copy_ into one buffer,
+    measured side by side (benchmarks/many_tensors.py). It was about 12x before the structure
+    cache and the batched copy (issue 25); the bound is generous for a busy machine but far
+    below a per-leaf regression."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from many_tensors import stall_over_floor
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    ratio = stall_over_floor(5000, 1024, repeats=5, work=tmp_path)
+    assert ratio < 3.0, f"save() stall is {ratio:.2f}x the plain copy at 5,000 small tensors"
