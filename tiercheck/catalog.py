@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from . import layout
@@ -30,12 +31,14 @@ __all__ = [
     "read_manifest",
     "read_manifest_with_bytes",
     "read_marker",
+    "read_marker_and_guess",
     "reading_committed",
     "verify_files",
 ]
 
 MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
 READ_CHUNK = 32 << 20
+GUESS_MANIFEST_BYTES = 8 << 20  # a guessed manifest is fetched only if smaller (~200 bytes per tensor)
 
 
 class ZstdFile(ReadableFile):
@@ -143,12 +146,43 @@ def read_marker(tier: Tier, step: int) -> Marker:
     return marker
 
 
-def read_manifest(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> Manifest:
-    """Read and verify one rank's manifest of `step` against the commit marker."""
-    return read_manifest_with_bytes(tier, step, rank, marker)[1]
+def read_marker_and_guess(tier: Tier, step: int, rank: int, world_size: int | None) -> tuple[Marker, bytes | None]:
+    """`read_marker`, and the bytes of the manifest `rank` of a `world_size`-rank job (None:
+    the fewest ranks that have `rank`) saved, fetched beside the marker (None when not
+    fetched or not there), for `read_manifest`.
+
+    On tier 2 each read is a round trip of its own, and the manifest's name and length are
+    known only from the marker: read one after the other, a fresh-node restore pays two
+    round trips before its first byte of tensor data. The guess costs one request when
+    wrong (a job of another size); its bytes count only if they are the file the marker
+    names and match its checksum (`read_manifest` reads again otherwise)."""
+    world = rank + 1 if world_size is None else world_size
+    if not 0 <= rank < world or tier.capabilities.local_files:
+        return read_marker(tier, step), None  # a local read takes microseconds: no thread for it
+    guess = layout.manifest_name(rank, world)
+    with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest") as pool:
+        early = pool.submit(tier.read_bytes, step, guess, GUESS_MANIFEST_BYTES)
+        marker = read_marker(tier, step)
+        if not 0 <= rank < marker.world_size or marker.manifests[rank].file != guess:
+            early.cancel()
+            return marker, None
+        try:
+            return marker, early.result()
+        except Exception:  # missing, too large, unreadable: the read after the marker says why
+            return marker, None
 
 
-def read_manifest_with_bytes(tier: Tier, step: int, rank: int, marker: Marker | None = None) -> tuple[bytes, Manifest]:
+def read_manifest(
+    tier: Tier, step: int, rank: int, marker: Marker | None = None, guessed: bytes | None = None
+) -> Manifest:
+    """Read and verify one rank's manifest of `step` against the commit marker (`guessed`:
+    bytes `read_marker_and_guess` fetched, used if they match the marker)."""
+    return read_manifest_with_bytes(tier, step, rank, marker, guessed)[1]
+
+
+def read_manifest_with_bytes(
+    tier: Tier, step: int, rank: int, marker: Marker | None = None, guessed: bytes | None = None
+) -> tuple[bytes, Manifest]:
     """`read_manifest`, with the bytes it decoded (those the marker's checksum covers)."""
     if marker is None:
         marker = read_marker(tier, step)
@@ -158,16 +192,23 @@ def read_manifest_with_bytes(tier: Tier, step: int, rank: int, marker: Marker | 
     mwhere = tier.path_of(step, ref.file)
     if ref.length > MAX_MANIFEST_BYTES:
         raise CheckpointCorruptedError(f"{mwhere}: manifest claims {ref.length} bytes")
-    try:
-        data = tier.read_bytes(step, ref.file, ref.length)
-    except FileNotFoundError:
-        raise MissingManifestError(
-            f"{mwhere}: manifest is missing from a committed step (a node-local directory holds only "
-            "the parts of the ranks that share it: read it with one of their ranks)"
-        ) from None
     checksum = checksum_function(marker.checksum_algorithm)
-    if len(data) != ref.length or checksum(data) != ref.checksum:
-        raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
+
+    def matches(data: bytes) -> bool:
+        return len(data) == ref.length and checksum(data) == ref.checksum
+
+    if guessed is not None and matches(guessed):
+        data = guessed
+    else:
+        try:
+            data = tier.read_bytes(step, ref.file, ref.length)
+        except FileNotFoundError:
+            raise MissingManifestError(
+                f"{mwhere}: manifest is missing from a committed step (a node-local directory holds only "
+                "the parts of the ranks that share it: read it with one of their ranks)"
+            ) from None
+        if not matches(data):
+            raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
     manifest = decode_manifest(data, mwhere)
     if (manifest.step, manifest.rank, manifest.world_size) != (step, rank, marker.world_size):
         raise CheckpointCorruptedError(

@@ -24,7 +24,7 @@ from .catalog import (
     first_present_manifest,
     list_committed,
     read_manifest,
-    read_marker,
+    read_marker_and_guess,
     reading_committed,
 )
 from .checksum import checksum_stream
@@ -564,10 +564,13 @@ def prepare_step(
 
     `world_size` is the restoring job's: when it differs from the checkpoint's, only the
     replicated top-level keys can be restored, read through rank 0's manifest."""
-    marker = read_marker(tier, step)
+    marker, guessed = read_marker_and_guess(tier, step, rank, world_size)  # one round trip for both
     resized = world_size is not None and world_size != marker.world_size
     # Resized: any rank's view holds the replicated keys; take the first one this tier has.
-    manifest = first_present_manifest(tier, step, marker) if resized else read_manifest(tier, step, rank, marker)
+    if resized:
+        manifest = first_present_manifest(tier, step, marker)
+    else:
+        manifest = read_manifest(tier, step, rank, marker, guessed)
     tree = manifest.tree
     if world_size is not None and resized:
         tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)

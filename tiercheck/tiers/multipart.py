@@ -39,7 +39,7 @@ import secrets
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -50,12 +50,13 @@ MiB = 1 << 20
 MIN_PART = 1 * MiB  # smaller parts cost more in requests than they gain
 # Ranged reads: each request pays a round trip and the server's first-byte time, so larger
 # pieces waste less of a connection (S3 advises 8-16 MB); but the reader waits for a whole
-# piece on one connection, so smaller ones keep it moving. A piece is a read's share of the
-# free connections within these bounds. A 256 MiB restore through a 25 MB/s x 20 ms shaped
-# link (tests/servers/shapingproxy.py, 2 runs on 2026-12-01) reached 0.51x the link limit
-# with pieces up to 16 MiB, 0.74-0.78x with pieces up to 4 or 8 MiB.
-MIN_READ_PIECE = 4 * MiB
+# piece on one connection, so smaller ones keep it moving. A 256 MiB restore through a 25
+# MB/s x 20 ms shaped link (tests/servers/shapingproxy.py, 2 runs on 2026-12-01) reached
+# 0.51x the link limit with pieces up to 16 MiB, 0.74-0.78x with pieces up to 4 or 8 MiB.
+# A file is cut into pieces of one size (`read_piece_size`), at most about MAX_READ_PIECE.
+MIN_READ_PIECE = 1 * MiB
 MAX_READ_PIECE = 8 * MiB
+PIECE_ALIGN = 64 << 10
 
 
 class Call(Protocol):
@@ -509,24 +510,33 @@ def _take(slots: queue.SimpleQueue[bytearray], failed: threading.Event) -> bytea
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    start: int
-    end: int
-    data: Future[bytes]
+def read_piece_size(size: int, concurrency: int) -> int:
+    """The length of the ranges a file of `size` bytes is read in (the last may be shorter).
+
+    The file is cut into waves of `concurrency` equal pieces of about MAX_READ_PIECE at most,
+    so that a small file keeps every connection busy (64 MiB on 8 connections: one wave of 8
+    MiB pieces, not 4 MiB ones and then 8 MiB ones on half the connections) and the last wave
+    of a large one is full; a file up to an eighth over a whole number of waves takes slightly
+    longer pieces instead of a wave of slivers. At least MIN_READ_PIECE: below it a request's
+    round trip costs more than its share of the link gains."""
+    wave = concurrency * MAX_READ_PIECE
+    waves = max(1, -(-(8 * size - wave) // (8 * wave)))  # ceil(size / wave - 1/8)
+    piece = -(-size // (waves * concurrency))
+    piece = -(-piece // PIECE_ALIGN) * PIECE_ALIGN
+    return max(MIN_READ_PIECE, piece)
 
 
 class RangeReader:
     """Positional reads of one object, with up to `concurrency` ranged reads in flight.
 
-    A read is split into pieces (its share of the connections, 4 to 8 MiB) fetched
-    concurrently and copied into the destination as they arrive. Meanwhile the bytes after
-    it (as many as it asked for, and at least 8 MiB per connection, at most 64 MiB) are
-    fetched too, queued behind its own pieces, so that a reader going through the file in
-    order (restore, a zstd stream) finds them there: the connections never sit idle waiting
-    for the slowest piece of a read, and a run of small reads costs one request. A read
-    elsewhere drops what was fetched ahead. Memory: the pieces of one read plus the bytes
-    fetched ahead: at most 96 MiB with restore's 32 MiB reads.
+    The object is read in pieces of a fixed grid (`read_piece_size`). A read fetches the
+    pieces it covers, and queues the next `concurrency` pieces after them (about AHEAD_MAX
+    bytes at most), so that a reader going through the file in order (restore, a zstd
+    stream) finds them arriving: every connection stays busy, none waits for the slowest
+    piece of a read, and a run of small reads costs one request. Pieces are copied into
+    place as they complete, in whatever order. A read elsewhere drops what is outside its
+    window. Memory: the pieces of one read plus those fetched ahead: at most the read plus
+    AHEAD_MAX and two pieces (32 + 64 + 18 MiB at most with restore's 32 MiB reads).
 
     One reader thread at a time. `close()` drops what is queued, stops retrying, and joins
     the pool: a fetch still running ends within its attempt's deadline (at once, when the
@@ -541,71 +551,54 @@ class RangeReader:
         self._concurrency = concurrency
         self._call = call
         self._what = what
+        self.piece = read_piece_size(size, concurrency)
+        self._count = -(-size // self.piece)
+        self._ahead = min(concurrency, max(1, self.AHEAD_MAX // self.piece))  # pieces queued past a read
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: list[_Piece] = []  # fetched ahead, consecutive, in file order
+        self._pieces: dict[int, Future[bytes]] = {}  # piece index -> its bytes, in flight or arrived
         self._closed = threading.Event()
 
-    def _submit(self, start: int, end: int, slots: int) -> list[_Piece]:
-        """Pieces covering [start, end), queued on the pool: its share of `slots` connections
-        each (so that with the pieces already in flight every connection has about as much
-        left to move, and none ends long after the others), within the piece bounds."""
-        if end <= start:
-            return []
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="tiercheck-read")
-        total = end - start
-        step = max(MIN_READ_PIECE, min(MAX_READ_PIECE, -(-total // max(1, slots))))
-        pool = self._pool
-        return [
-            _Piece(p, min(p + step, end), pool.submit(self._get, p, min(p + step, end)))
-            for p in range(start, end, step)
-        ]
-
-    def _get(self, start: int, end: int) -> bytes:
-        n = end - start
+    def _get(self, index: int) -> bytes:
+        start = index * self.piece
+        n = min(self.piece, self._size - start)
         data = self._call(self._what, lambda: self._fetch(start, n), n, self._closed.is_set)
         if len(data) != n:
-            raise EOFError(f"{self._what}: the file ends before byte {end}")
+            raise EOFError(f"{self._what}: the file ends before byte {start + n}")
         return data
+
+    def _window(self, first: int, last: int) -> None:
+        """Pieces `first`..`last` and the ones ahead of them queued (in file order, so the
+        pool runs the read's own first); every other piece dropped."""
+        hi = min(self._count - 1, last + self._ahead)
+        for i in [i for i in self._pieces if i < first or i > hi]:
+            self._pieces.pop(i).cancel()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="tiercheck-read")
+        for i in range(first, hi + 1):
+            if i not in self._pieces:
+                self._pieces[i] = self._pool.submit(self._get, i)
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         end = offset + dest.nbytes
         if dest.nbytes == 0:
             return
-        use: list[_Piece] = []
-        keep: list[_Piece] = []
-        for p in self._ahead:
-            if p.end <= offset:
-                p.data.cancel()  # behind this read: not needed
-            elif p.start >= end:
-                keep.append(p)
-            else:
-                use.append(p)
-        if use and use[0].start > offset:  # starts before what was fetched ahead
-            for p in use + keep:
-                p.data.cancel()
-            use, keep = [], []
-        covered = use[-1].end if use else offset
-        if use and use[-1].end > end:  # its tail is the next read's start
-            keep.insert(0, use[-1])
-        pieces = use + self._submit(covered, end, self._concurrency)
-        ahead_from = keep[-1].end if keep else max(end, covered)
-        # as much as this read, and enough for a large piece on every connection
-        want = min(max(dest.nbytes, self._concurrency * MAX_READ_PIECE), self.AHEAD_MAX)
-        target = min(self._size, end + want)
-        if target - ahead_from >= min(MIN_READ_PIECE, self._size - ahead_from):  # whole pieces, not slivers
-            busy = sum(not p.data.done() for p in pieces + keep)
-            keep += self._submit(ahead_from, target, self._concurrency - busy)
-        self._ahead = keep
-        for p in pieces:
-            data = memoryview(p.data.result())
-            lo, hi = max(p.start, offset), min(p.end, end)
-            dest[lo - offset : hi - offset] = data[lo - p.start : hi - p.start]
+        first, last = offset // self.piece, (end - 1) // self.piece
+        self._window(first, last)
+        wanted = {self._pieces[i]: i for i in range(first, last + 1)}
+        for fut in as_completed(wanted):
+            i = wanted[fut]
+            data = memoryview(fut.result())
+            start = i * self.piece
+            lo, hi = max(start, offset), min(start + len(data), end)
+            dest[lo - offset : hi - offset] = data[lo - start : hi - start]
+        for i in range(first, last + 1):  # read whole: dropped; a tail past `end` is the next read's
+            if min((i + 1) * self.piece, self._size) <= end:
+                del self._pieces[i]
 
     def close(self) -> None:
         self._closed.set()  # fetches in flight stop retrying
-        for p in self._ahead:
-            p.data.cancel()
-        self._ahead = []
+        for fut in self._pieces.values():
+            fut.cancel()
+        self._pieces = {}
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)

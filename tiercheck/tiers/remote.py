@@ -58,7 +58,7 @@ class RemoteTier(Tier):
             parts are slices of it, copied only on S3, whose client takes only
             ``bytes``/``bytearray``; S3's aiohttp makes up to two more copies of a part
             while sending it). A read holds its ranges while they are copied into place,
-            plus the bytes it fetched ahead of the reader: at most 96 MiB per open file
+            plus the bytes it fetched ahead of the reader: at most 114 MiB per open file
             at restore (see `multipart.RangeReader`).
         write_rate: optional cap in bytes/s for uploads.
         compression: None, or "zstd" to store shard files zstd-compressed (level
