@@ -45,6 +45,7 @@ from .state import FlatState, metric_values, tensor_versions
 from .steporder import Proceed, claim
 from .structure import StructureCache
 from .tiers.base import Tier
+from .tiers.remote import RemoteTier
 from .trigger import SaveTrigger, SigtermState, sigterm_handler
 
 __all__ = ["Checkpointer"]
@@ -202,6 +203,8 @@ class Checkpointer:
         opts = Options.validate(**{k: v for k, v in locals().items() if k != "self"})
         self._options = opts
         self._local, self._remote = open_tiers(opts, _TIER_DEFAULTS)
+        if isinstance(self._remote, RemoteTier):  # before the pipeline can upload anything
+            self._remote.sweep_before_upload(opts.rank, opts.world_size)
         self._tiers: list[Tier] = [t for t in (self._local, self._remote) if t is not None]
         self.rank = opts.rank
         self.world_size = opts.world_size
@@ -812,6 +815,7 @@ class Checkpointer:
         previous = signal.getsignal(signal.SIGTERM)
         me = weakref.ref(self)
         state = SigtermState(grace_s, previous)
+        state.before_deliver = lambda: _abort_uploads(me())
         self._trigger.sigterm = state if fresh else None
         self._trigger.handler = state
 
@@ -977,6 +981,21 @@ class Checkpointer:
             self._seen_at_restore = found.committed
             self._latest_known = None  # re-derived at the next save
             return found.step
+
+
+def _abort_uploads(ckpt: Checkpointer | None) -> None:
+    """Before SIGTERM goes on: abort the multipart uploads a drain out of grace left in
+    flight, so that the store keeps none of their parts (the step stays invisible)."""
+    remote = None if ckpt is None else ckpt._remote
+    if not isinstance(remote, RemoteTier):
+        return
+    try:
+        n = remote.abort_uploads_in_flight()
+    except Exception as exc:  # the restarted job's sweep, or the bucket's lifecycle rule, is the backstop
+        logger.warning("tiercheck: could not abort the uploads in flight before SIGTERM: %r", exc)
+        return
+    if n:
+        logger.warning("tiercheck: aborted %d multipart uploads in flight before SIGTERM", n)
 
 
 def _finalize(pipeline: Pipeline, pool: HostBufferPool, where: str, runlog: RunLog, pid: int) -> None:

@@ -35,6 +35,8 @@ class SigtermState:
     frame: types.FrameType | None = None
     closing: bool = False  # close() is draining: it delivers a signal that lands meanwhile
     delivered: bool = False
+    # Run before the signal goes on: aborts the uploads a drain cut short (never raises).
+    before_deliver: Callable[[], None] | None = None
 
     def note(self, frame: types.FrameType | None) -> None:
         """A SIGTERM arrived: its grace period runs from the first one."""
@@ -55,6 +57,8 @@ class SigtermState:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         self.delivered = True
+        if self.before_deliver is not None:
+            self.before_deliver()
         previous = self.previous
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         if callable(previous):

@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import secrets
 import threading
 from abc import ABC, abstractmethod
@@ -147,6 +148,12 @@ class MultipartStore(ABC):
     def abort(self, upload: Any) -> None:
         """Discard whatever the upload left on the store."""
 
+    def incomplete(self, prefix: str) -> list[tuple[str, Any]]:
+        """The uploads under `prefix` (a path ending in ``/``) begun and neither completed
+        nor aborted, by anyone: (the object path each was to make, what `abort` takes). A
+        store that keeps nothing of an unfinished upload, or cannot list them, has none."""
+        return []
+
 
 def store_for(fs: Any) -> MultipartStore | None:
     """The multipart calls for `fs`'s backend, or None where a file is streamed whole."""
@@ -226,6 +233,19 @@ class S3Parts(MultipartStore):
     def abort(self, upload: _S3Upload) -> None:
         self.fs.call_s3("abort_multipart_upload", Bucket=upload.bucket, Key=upload.key, UploadId=upload.upload_id)
 
+    def incomplete(self, prefix: str) -> list[tuple[str, Any]]:
+        bucket, key_prefix, _ = self.fs.split_path(prefix)
+        found: list[tuple[str, Any]] = []
+        markers: dict[str, str] = {}
+        while True:  # ListMultipartUploads pages at 1,000 uploads
+            out = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix, **markers)
+            for u in out.get("Uploads", []):
+                path = f"{bucket}/{u['Key']}"
+                found.append((path, _S3Upload(path, bucket, u["Key"], u["UploadId"])))
+            if not out.get("IsTruncated"):
+                return found
+            markers = {"KeyMarker": out["NextKeyMarker"], "UploadIdMarker": out["NextUploadIdMarker"]}
+
 
 @dataclass(frozen=True, slots=True)
 class _AzureUpload:
@@ -244,7 +264,7 @@ class _AzureUpload:
 class AzureBlocks(MultipartStore):
     """Azure block blobs: Put Block per part, then Put Block List naming the blocks
     acknowledged. Uncommitted blocks never make a blob visible and the service discards them
-    (after 7 days), so there is nothing to abort."""
+    (after 7 days), so there is nothing to abort or to list (`incomplete`)."""
 
     limits = AZURE_LIMITS
 
@@ -298,6 +318,9 @@ class _GCSUpload:
         return f"{self.prefix}{number:05d}-{secrets.token_hex(3)}"
 
 
+_GCS_PART_RE = re.compile(r"(.+)\.tcpart-([0-9a-f]{12})-(?:[0-9]{5}-[0-9a-f]{6}|c[0-9]{3})", re.ASCII)
+
+
 class GCSCompose(MultipartStore):
     """GCS parallel composite upload: each part is an object of its own next to the target
     (``<name>.tcpart-<token>-<n>-<attempt>``), composed into the target (32 sources per request, in
@@ -330,6 +353,20 @@ class GCSCompose(MultipartStore):
         self.fs.merge(upload.path, sources)
         self.fs.invalidate_cache(self.fs._parent(upload.path))
         self._delete([*parts, *made], upload)
+
+    def incomplete(self, prefix: str) -> list[tuple[str, Any]]:
+        self.fs.invalidate_cache(prefix.rstrip("/"))
+        try:
+            names: list[str] = self.fs.find(prefix)
+        except FileNotFoundError:
+            return []
+        uploads: dict[str, tuple[str, Any]] = {}
+        for name in names:  # <target>.tcpart-<token>-<part>-<attempt>, or -c<group> (composed)
+            m = _GCS_PART_RE.fullmatch(name.lstrip("/"))
+            if m is not None:
+                target, token = m.group(1), m.group(2)
+                uploads.setdefault(token, (target, _GCSUpload(target, f"{target}.tcpart-{token}-")))
+        return list(uploads.values())
 
     def abort(self, upload: _GCSUpload) -> None:
         parent = self.fs._parent(upload.path)
@@ -427,6 +464,68 @@ class ChunkSource(PartSource):
         return view[:filled]
 
 
+# ------------------------------------------------------------------ unfinished uploads
+
+
+class LiveUploads:
+    """The multipart uploads one tier has in flight, so that a process about to end (a
+    SIGTERM delivered after its drain ran out of grace) aborts them rather than leave their
+    parts on the store, where S3 keeps and bills them until someone aborts them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[MultipartStore, Any, str, threading.Event]] = {}
+
+    def add(self, store: MultipartStore, upload: Any, path: str, failed: threading.Event) -> int:
+        with self._lock:
+            self._live[id(failed)] = (store, upload, path, failed)
+            return id(failed)
+
+    def discard(self, token: int) -> None:
+        with self._lock:
+            self._live.pop(token, None)
+
+    def abort_all(self, call_once: Callable[[str, Callable[[], None]], None]) -> int:
+        """Abort every upload in flight, one bounded attempt each; their own threads then
+        fail (an upload begun later is the restarted writer's to abort, see `abort_unfinished`).
+        Returns how many were aborted."""
+        with self._lock:
+            live = list(self._live.values())
+            self._live.clear()
+        aborted = 0
+        for store, upload, path, failed in live:
+            failed.set()  # its parts stop being sent or retried
+            try:
+                call_once(f"aborting the multipart upload of {path}", lambda s=store, u=upload: s.abort(u))  # type: ignore[misc]
+                aborted += 1
+            except Exception as exc:
+                logger.warning("could not abort the multipart upload of %s: %r", path, exc)
+        return aborted
+
+
+def abort_unfinished(
+    store: MultipartStore,
+    prefix: str,
+    owned: Callable[[str], bool],
+    call_once: Callable[[str, Callable[[], None]], None],
+) -> list[str]:
+    """Abort the unfinished uploads under `prefix` whose object path `owned` says are the
+    caller's (an earlier writer of its part, killed mid-upload); one bounded attempt for
+    the listing and for each abort. Returns the object paths aborted."""
+    found: list[list[tuple[str, Any]]] = []
+    call_once(f"listing the unfinished uploads under {prefix}", lambda: found.append(store.incomplete(prefix)))
+    aborted: list[str] = []
+    for path, upload in found[0]:
+        if not owned(path):
+            continue
+        try:
+            call_once(f"aborting the unfinished multipart upload of {path}", lambda u=upload: store.abort(u))  # type: ignore[misc]
+            aborted.append(path)
+        except Exception as exc:  # one stays: the bucket's lifecycle rule is the backstop
+            logger.warning("could not abort the unfinished multipart upload of %s: %r", path, exc)
+    return aborted
+
+
 # ------------------------------------------------------------------------ the transfers
 
 
@@ -439,14 +538,16 @@ def upload_parts(
     call: Call,
     call_once: Callable[[str, Callable[[], None]], None],
     before_send: Callable[[int], None] = lambda n: None,
+    live: LiveUploads | None = None,
 ) -> int:
     """Upload `source` to `path` in parts of `part_size` bytes, `concurrency` at a time;
     returns the bytes uploaded. Each request goes through `call` (each part retried on its
     own); on any failure the upload is aborted with one bounded attempt (`call_once`), the
     parts still in flight are waited for, and the first error is raised. `before_send(n)`
-    runs before each part is sent (a rate limit)."""
+    runs before each part is sent (a rate limit). The upload is in `live` while it runs."""
     upload = call(f"starting a multipart upload of {path}", lambda: store.begin(path))
     failed = threading.Event()
+    token = None if live is None else live.add(store, upload, path, failed)
     errors: list[BaseException] = []
     acks: dict[int, Any] = {}
     slots: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
@@ -499,6 +600,9 @@ def upload_parts(
         except Exception as exc:  # best effort: nothing unfinished is ever visible
             logger.warning("could not abort the multipart upload of %s: %r", path, exc)
         raise
+    finally:
+        if live is not None and token is not None:
+            live.discard(token)
     return stored
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +32,8 @@ from .base import Capabilities, ReadableFile, StepWriter, Tier
 
 T = TypeVar("T")
 logger = logging.getLogger("tiercheck")
+# A step file of one rank's writer: rank-<r>-of-<w>.shard or .manifest.json.
+_RANK_FILE_RE = re.compile(r"rank-([0-9]{5,})-of-[0-9]{5,}\.(?:shard|manifest\.json)", re.ASCII)
 
 
 class RemoteTier(Tier):
@@ -122,6 +125,9 @@ class RemoteTier(Tier):
         self.stopping = threading.Event()  # set on close: stop retrying
         self.op_timeout = op_timeout
         self._patched_client: object = None
+        self.live_uploads = multipart.LiveUploads()
+        self._sweep: tuple[int, int] | None = None  # (rank, world size) to sweep for, once
+        self._sweep_lock = threading.Lock()
 
     def _bound_writes(self) -> None:
         """s3fs/botocore send ``Expect: 100-continue`` on every PUT and aiohttp then waits
@@ -236,7 +242,60 @@ class RemoteTier(Tier):
         return sorted(committed), sorted(present - committed)
 
     def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
+        self._sweep_unfinished()
         return _RemoteStepWriter(self, step)
+
+    # -- unfinished multipart uploads ------------------------------------------------
+
+    def sweep_before_upload(self, rank: int, world_size: int) -> None:
+        """This process is becoming the writer of `rank`'s part of a `world_size`-rank job:
+        before its first upload, abort the unfinished multipart uploads an earlier writer of
+        that part left under the root (killed mid-upload: S3 keeps and bills their parts
+        forever). Rank 0 also takes those of ranks the job no longer has. Uploads of other
+        ranks' files, which a live rank may be sending, and objects of other names are left
+        alone. Call it before anything of this process uploads."""
+        self._sweep = (rank, world_size)
+
+    def _sweep_unfinished(self) -> None:
+        with self._sweep_lock:  # the first upload of this writer waits for the sweep
+            if self._sweep is None or self._parts is None:
+                return
+            rank, world = self._sweep
+            self._sweep = None  # once: a store that refuses the listing is not asked again
+            try:
+                aborted = multipart.abort_unfinished(
+                    self._parts, f"{self.root}/", lambda path: self._owned(path, rank, world), self._call_once
+                )
+            except Exception as exc:
+                logger.warning(
+                    "tier %r: cannot list the unfinished multipart uploads under %s (%r); the bucket's "
+                    "lifecycle rule must remove those of a killed upload (docs/remote.md)",
+                    self.name,
+                    self.location,
+                    exc,
+                )
+                return
+            if aborted:
+                logger.warning("tier %r: aborted %d unfinished multipart uploads: %s", self.name, len(aborted), aborted)
+
+    def _owned(self, path: str, rank: int, world: int) -> bool:
+        """Whether `path` is a file of a step that the writer of `rank` makes."""
+        prefix = self.root.lstrip("/") + "/"
+        rel = path.lstrip("/")
+        if not rel.startswith(prefix):
+            return False
+        parts = rel[len(prefix) :].split("/")
+        m = _RANK_FILE_RE.fullmatch(parts[-1]) if len(parts) == 2 else None
+        if m is None or layout.parse_step_dir(parts[0]) is None:
+            return False
+        owner = int(m.group(1))
+        return owner == rank or (rank == 0 and owner >= world)
+
+    def abort_uploads_in_flight(self) -> int:
+        """Abort this tier's multipart uploads in flight: for a process about to end with
+        uploads unfinished. Each abort gets one attempt of at most 5 s (the process is out of
+        grace). Returns how many were aborted."""
+        return self.live_uploads.abort_all(lambda what, fn: self._attempt(what, fn, min(self.op_timeout, 5.0)))
 
     def write_marker(self, step: int, marker: bytes) -> None:
         path = self._path(step, layout.COMMIT_NAME)
@@ -307,7 +366,15 @@ class RemoteTier(Tier):
         assert self._parts is not None
         self._bound_writes()
         return multipart.upload_parts(
-            self._parts, path, source, part_size, self.concurrency, self._call, self._call_once, self.limiter.consume
+            self._parts,
+            path,
+            source,
+            part_size,
+            self.concurrency,
+            self._call,
+            self._call_once,
+            self.limiter.consume,
+            self.live_uploads,
         )
 
     def _compressed(self, chunks: Iterator[bytes | memoryview]) -> Iterator[bytes | memoryview]:
