@@ -366,3 +366,26 @@ def test_last_ckpt_names_a_committed_step_while_pointer_callbacks_lag(tmp_path: 
     gate.set()
     io.teardown()
     assert pointer_steps(tmp_path) == {"step=5.ckpt": 5, "step=10.ckpt": 10, "last.ckpt": 10}
+
+
+def test_a_pointer_is_plain_data_and_only_regular_pointer_files_are_read(tmp_path: Path) -> None:
+    import io as _io
+    import pickletools
+    import zipfile
+
+    from tiercheck.integrations.lightning import write_pointer
+
+    path = tmp_path / "epoch=0-step=5.ckpt"
+    write_pointer(str(path), 5, local=str(tmp_path))
+    with zipfile.ZipFile(_io.BytesIO(path.read_bytes())) as archive:
+        pickled = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    ops = {op.name for op, _, _ in pickletools.genops(pickled)}
+    assert not ops & {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"}, ops
+    assert torch.load(path, weights_only=False)["tiercheck_pointer"]["step"] == 5  # nothing to run, either way
+    (tmp_path / "old.ckpt").write_text(json.dumps({"format": "tiercheck-lightning-pointer", "version": 1, "step": 3}))
+    os.mkfifo(tmp_path / "fifo.ckpt")  # would block an open() for reading forever
+    (tmp_path / "dir.ckpt").mkdir()
+    assert pointer_steps(tmp_path) == {"epoch=0-step=5.ckpt": 5, "old.ckpt": 3}
+    for bad in ("fifo.ckpt", "dir.ckpt"):
+        with pytest.raises(tiercheck.NoCheckpointError, match=r"not a tiercheck pointer|not a regular file"):
+            read_pointer(str(tmp_path / bad))
