@@ -227,8 +227,9 @@ def test_state_larger_than_free_space_fails_once_naming_the_shortfall(tmp_path: 
 def test_a_full_disk_counts_the_spare_shard_the_next_step_overwrites(tmp_path: Path) -> None:
     # Room for two steps, not three: with keep_local=1 the deleted step's shard, held to be
     # recycled, is what the next step is written over, so the free-space check counts it as
-    # free. A hard link to that shard keeps its blocks whatever tiercheck does: the save
-    # succeeds only if the shard is overwritten in place, not freed and allocated again.
+    # free. A descriptor held on that shard keeps its blocks whatever tiercheck does: the save
+    # succeeds only if the shard is overwritten in place, not freed and allocated again. (Not
+    # a hard link: tiercheck never overwrites a file that has one, tests/test_links.py.)
     class SmallShards(LocalTier):
         RECYCLE_MIN = MiB
 
@@ -239,16 +240,20 @@ def test_a_full_disk_counts_the_spare_shard_the_next_step_overwrites(tmp_path: P
         with tiercheck.Checkpointer(local=tier, keep_local=1) as ckpt:
             ckpt.save(0, state(0, nbytes)).wait()
             shard0 = root / layout.step_dir_name(0) / layout.shard_name(0, 1)
-            os.link(shard0, mnt / "held")
-            ckpt.save(1, state(1, nbytes)).wait()
-            ckpt.wait()
-            deadline = time.monotonic() + 20
-            while tier.spare_bytes == 0:
-                assert time.monotonic() < deadline, "step 0's shard was not kept"
-                time.sleep(0.01)
-            assert free_bytes(mnt) < nbytes  # step 2 fits only over the spare
-            ckpt.save(2, state(2, nbytes)).wait()
-            assert os.path.samefile(mnt / "held", root / layout.step_dir_name(2) / layout.shard_name(0, 1))
+            held = os.open(shard0, os.O_RDONLY)
+            try:
+                ckpt.save(1, state(1, nbytes)).wait()
+                ckpt.wait()
+                deadline = time.monotonic() + 20
+                while tier.spare_bytes == 0:
+                    assert time.monotonic() < deadline, "step 0's shard was not kept"
+                    time.sleep(0.01)
+                assert free_bytes(mnt) < nbytes  # step 2 fits only over the spare
+                ckpt.save(2, state(2, nbytes)).wait()
+                a, b = os.fstat(held), os.stat(root / layout.step_dir_name(2) / layout.shard_name(0, 1))
+                assert (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+            finally:
+                os.close(held)
             ckpt.wait()
             assert ckpt.steps() == [2]
             assert_restores(ckpt, 2, nbytes)

@@ -15,6 +15,12 @@ its WAL segments for the same reason. At most one shard's worth of spares is hel
 largest shard this tier wrote), so the disk holds what it holds while a save is written;
 `check_space` counts the spare as free, frees it when short, and `close` frees it.
 
+Links (invariant 8): a file is written into or truncated only if it is a regular file with no
+other hard link, checked on the descriptor that is written (a step pinned by ``ln``, or a run
+forked with ``cp -al``, shares its inodes with this tier: its files only lose their name here).
+A link planted at a step's or a trash directory's name loses only itself; nothing is deleted
+through one.
+
 Ownership: a process writes rank r's part of a directory only while it holds an exclusive
 `flock` on the file ``.tiercheck-lock-rank-<r>`` there (`claim_writer`). The kernel releases
 it when the holder closes it or dies, SIGKILL included, so a killed job never blocks its own
@@ -50,6 +56,8 @@ except ImportError:  # pragma: no cover - not POSIX: no writer lock
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def fsync_dir(path: str) -> None:
@@ -210,6 +218,15 @@ class LocalTier(Tier):
         # One atomic rename hides the whole step, marker included, before any data goes; a
         # crash after it leaves a trash directory that the next start removes.
         step_dir = self.path_of(step)
+        try:
+            planted = not stat.S_ISDIR(os.lstat(step_dir).st_mode)
+        except FileNotFoundError:
+            return
+        if planted:  # a link at a step's name: only the name goes, never what it points to
+            _remove(step_dir)
+            if self.fsync:
+                fsync_dir(self.root)
+            return
         trash = os.path.join(self.root, layout.trash_dir_name(step))
         try:
             os.rename(step_dir, trash)
@@ -219,7 +236,7 @@ class LocalTier(Tier):
             fsync_dir(self.root)
         reclaimer = self._reclaimer
         if reclaimer is None:
-            shutil.rmtree(trash, ignore_errors=True)
+            _remove(trash)
             return
         with self._reclaim_lock:
             self._unreclaimed.add(trash)
@@ -244,23 +261,35 @@ class LocalTier(Tier):
         the pipeline holds it back while a save copies: ext4 frees a multi-GB file's extents
         for seconds in one unlink, on a core and a journal the loop needs), then unlinked."""
         kept = False
-        try:
-            with os.scandir(token) as it:
-                files = [(e.path, e.stat().st_size) for e in it if e.is_file(follow_symlinks=False)]
-            spare = max(files, key=lambda f: f[1]) if files else None
-            if spare is not None and not self._keep_spare(*spare, hold=False):
-                spare = None
-            for file in files:
-                if file != spare:
-                    _truncate_paced(file[0], self.RECLAIM_STEP, self._pace)
-                    os.unlink(file[0])
-            kept = spare is not None and self._keep_spare(*spare, hold=True)  # last: takeable now
-        except OSError:
-            pass  # gone already (check_space reclaimed it), or unreadable: rmtree below
+        # OSError: gone already (check_space reclaimed it), unreadable, or a link: removed below.
+        with contextlib.suppress(OSError):
+            kept = self._reclaim_dir(token)
         if not kept:
-            shutil.rmtree(token, ignore_errors=True)
+            _remove(token)
         with self._reclaim_lock:
             self._unreclaimed.discard(token)
+
+    def _reclaim_dir(self, token: str) -> bool:
+        """`reclaim`'s work, through a descriptor of the trash directory opened without
+        following a link (one planted in its place is the user's: `_remove` unlinks it).
+        Only a regular file with no other hard link is truncated or kept as a spare: the
+        bytes of a linked one are also another name's (a step pinned by ``ln``, a
+        ``cp -al`` fork), so only this name goes. True if a spare was kept."""
+        dfd = os.open(token, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+        try:
+            with os.scandir(dfd) as it:
+                files = [(e.name, e.stat(follow_symlinks=False)) for e in it if e.is_file(follow_symlinks=False)]
+            sole = [(name, st.st_size) for name, st in files if st.st_nlink == 1]
+            spare = max(sole, key=lambda f: f[1]) if sole else None
+            if spare is not None and not self._keep_spare(os.path.join(token, spare[0]), spare[1], hold=False):
+                spare = None
+            for name, _ in files:
+                if spare is None or name != spare[0]:
+                    _free_paced(dfd, name, self.RECLAIM_STEP, self._pace)
+        finally:
+            os.close(dfd)
+        # Last: takeable from now on (`_into_spare` checks the file again when it opens it).
+        return spare is not None and self._keep_spare(os.path.join(token, spare[0]), spare[1], hold=True)
 
     def _pace(self) -> None:
         """Before each reclaimed piece: a short pause, then the reclaimer's own gate."""
@@ -276,7 +305,7 @@ class LocalTier(Tier):
             pending = list(self._unreclaimed)
         pending += self._drop_spares()
         for token in pending:
-            shutil.rmtree(token, ignore_errors=True)
+            _remove(token)
             with self._reclaim_lock:
                 self._unreclaimed.discard(token)
         return bool(pending)
@@ -332,19 +361,25 @@ class LocalTier(Tier):
         spare = self._take_spare(nbytes)
         if spare is None:
             return None
-        old, size = spare
+        old, _ = spare
         try:
             os.rename(old, path)
         except OSError:
-            shutil.rmtree(os.path.dirname(old), ignore_errors=True)
+            _remove(os.path.dirname(old))
             return None
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(old))  # the trash directory, empty now
         try:
-            fd = os.open(path, os.O_WRONLY | _O_DIRECT)
+            fd = os.open(path, os.O_WRONLY | _O_DIRECT | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
         except OSError:
             os.unlink(path)
             return None
+        st = os.fstat(fd)
+        if not _sole_regular(st):  # linked (or replaced) while it waited: its bytes are not only ours
+            os.close(fd)
+            os.unlink(path)
+            return None
+        size = st.st_size
         if size > nbytes:
             try:
                 os.ftruncate(fd, nbytes)  # a trimmed tail, small beside what is overwritten
@@ -395,18 +430,14 @@ class LocalTier(Tier):
                     f"(it holds the lock {path}). Two writers of one directory would delete each "
                     "other's files. Close or stop the other writer, or give this one its own directory; "
                     "a Checkpointer that only restores (or tiercheck.load) takes no lock and may run "
-                    "alongside."
+                    f"alongside.{linked_lock_hint(path)}"
                 )
             if fd >= 0:
                 # Who holds it, for the error a second writer gets; through a descriptor of its
                 # own, closed at once: a file held open for writing would block a read-only
                 # remount of the filesystem.
                 with contextlib.suppress(OSError):
-                    holder = os.open(path, os.O_WRONLY | os.O_TRUNC | _O_CLOEXEC)
-                    try:
-                        os.write(holder, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-                    finally:
-                        os.close(holder)
+                    _write_holder(path, fd)
                 self._writer_lock = weakref.finalize(self, _close_quietly, fd)
                 _LOCK_HOLDERS.add(self)
         borrowed: dict[int, int | None] = {}
@@ -446,7 +477,9 @@ class LocalTier(Tier):
         cannot be opened or the filesystem refuses flock."""
         if fcntl is None:
             return -1
-        fd = os.open(os.path.join(self.root, layout.lock_name(rank)), os.O_RDONLY | os.O_CREAT | _O_CLOEXEC, 0o644)
+        # No link followed: O_CREAT through a dangling one would make a file elsewhere.
+        flags = os.O_RDONLY | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK
+        fd = os.open(os.path.join(self.root, layout.lock_name(rank)), flags, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -588,10 +621,14 @@ class _LocalStepWriter(StepWriter):
             if os.path.exists(os.path.join(final, layout.COMMIT_NAME)):
                 raise FileExistsError(errno.EEXIST, "step is already committed", final)
             # An unmarked step directory: a deletion that crashed after removing the marker.
-            # It is invisible; move it out of the way rather than fail this step forever.
-            trash = os.path.join(tier.root, layout.trash_dir_name(self._step))
-            os.rename(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            # It is invisible; move it out of the way rather than fail this step forever. A
+            # link there loses only itself: what it points to is the user's.
+            if stat.S_ISDIR(os.lstat(final).st_mode):
+                trash = os.path.join(tier.root, layout.trash_dir_name(self._step))
+                os.rename(final, trash)
+                _remove(trash)
+            else:
+                _remove(final)
         os.rename(self._tmp, final)
         if tier.fsync:
             fsync_dir(tier.root)
@@ -602,9 +639,9 @@ class _LocalStepWriter(StepWriter):
         assert self._shared, "publish_part() is for steps written by several ranks"
         tier = self._tier
         final = tier.path_of(self._step)
-        os.makedirs(final, exist_ok=True)
         if os.path.lexists(os.path.join(final, layout.COMMIT_NAME)):
             raise FileExistsError(errno.EEXIST, "step is already committed", final)
+        _own_dir(final)
         for name in sorted(os.listdir(self._tmp)):
             dest = os.path.join(final, name)
             os.rename(os.path.join(self._tmp, name), dest)
@@ -678,15 +715,87 @@ class _LocalFile(ReadableFile):
         os.close(self._fd)
 
 
-def _truncate_paced(path: str, step: int, between: Callable[[], None]) -> None:
-    """Shrink the file at `path` to nothing, `step` bytes at a time, calling `between()`
-    before each piece."""
-    size = os.stat(path).st_size
-    fd = os.open(path, os.O_WRONLY)
+def _sole_regular(st: os.stat_result) -> bool:
+    """Whether tiercheck may write into or truncate the file `st` describes: a regular file
+    whose bytes no other name shares (invariant 8)."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def _remove(path: str) -> None:
+    """Remove a directory tree tiercheck made at `path`, or whatever was planted at that name
+    instead: a link loses only itself, never what it points to. `shutil.rmtree` walks by
+    descriptors and follows no link inside; it only unlinks, which leaves another hard link's
+    bytes to that name."""
     try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return
+    if is_dir:
+        shutil.rmtree(path, ignore_errors=True)  # refuses a link swapped in meanwhile
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _own_dir(path: str) -> None:
+    """`path` as a directory, created if missing; a link (or file) planted at that name is
+    removed, not written through. Ranks race here: each accepts the directory another made."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        return
+    with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # another rank got here first
+        os.unlink(path)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise FileExistsError(errno.EEXIST, "not a directory", path)
+
+
+def _free_paced(dfd: int, name: str, step: int, between: Callable[[], None]) -> None:
+    """Free file `name` of directory `dfd`: shrunk to nothing `step` bytes at a time, calling
+    `between()` before each piece, then unlinked. The descriptor truncated is the one checked
+    (no link followed, no other hard link), and checked again before each piece: a link made
+    while the reclaimer paused stops the truncating. Otherwise only the name is unlinked."""
+    fd = os.open(name, os.O_WRONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        size = st.st_size if _sole_regular(st) else 0
         while size > 0:
             between()
+            if not _sole_regular(os.fstat(fd)):
+                break
             size = max(0, size - step)
             os.ftruncate(fd, size)
     finally:
         os.close(fd)
+    os.unlink(name, dir_fd=dfd)
+
+
+def _write_holder(path: str, lock_fd: int) -> None:
+    """Write who holds the lock into its file, the one `lock_fd` holds, unless the file has
+    other hard links (a ``cp -al`` copy of the directory): those are not ours to write."""
+    fd = os.open(path, os.O_WRONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
+    try:
+        st, held = os.fstat(fd), os.fstat(lock_fd)
+        if _sole_regular(st) and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def linked_lock_hint(path: str) -> str:
+    """For a refusal over a held lock: where its file has other hard links, the holder may be
+    writing another directory (a ``cp -al`` copy shares its lock files with the original)."""
+    try:
+        links = os.lstat(path).st_nlink
+    except OSError:
+        return ""
+    if links < 2:
+        return ""
+    return (
+        f" The lock file has {links - 1} other hard link(s), as in a copy made with `cp -al`: the "
+        "holder may be writing the other directory. If no writer runs here, delete this directory's "
+        f"lock files ({layout.LOCK_PREFIX}*) and start again."
+    )

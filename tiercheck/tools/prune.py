@@ -28,7 +28,7 @@ from .. import layout
 from ..errors import DirectoryInUseError, NoCheckpointError
 from ..retention import KeepEvery, KeepLast, RetentionPolicy, plan_deletions
 from ..tiers.base import Tier
-from ..tiers.local import LocalTier
+from ..tiers.local import LocalTier, linked_lock_hint
 from .view import tier_at
 
 __all__ = ["PruneResult", "prune_steps", "remove_step", "writers_excluded"]
@@ -96,6 +96,7 @@ def writers_excluded(tier: Tier, create: bool = True) -> Iterator[str]:
                 raise DirectoryInUseError(
                     f"{tier.root} is being written by {_holder(path)} (it holds the lock {path}); "
                     "close that Checkpointer first, or let its own retention (keep_local=...) prune"
+                    f"{linked_lock_hint(path)}"
                 ) from None
         yield "locked"
     finally:
