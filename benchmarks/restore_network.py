@@ -1,16 +1,16 @@
 """Fresh-node restore from tier 2 beside hand-written parallel ranged GETs of the same shard,
 through the same shaped link, in one run (issue 23, item 20).
 
-    python benchmarks/restore_network.py                          # 64 MiB @ 10 MiB/s, 1 GiB @ 10 MiB/s
-    python benchmarks/restore_network.py --cases 64:10 --repeats 5
-    python benchmarks/restore_network.py --profile                # plus one traced restore per case
+    python benchmarks/restore_network.py             # 64 MiB @ 10 MiB/s x 5, 1 GiB @ 10 MiB/s x 3
+    python benchmarks/restore_network.py --cases 64:10:7
+    python benchmarks/restore_network.py --profile   # plus one traced restore per case
 
 SeaweedFS on 127.0.0.1; per case a shaping proxy (tests/servers/shapingproxy.py, a process
 of its own) caps each TCP connection at RATE MiB/s and adds ``--rtt-ms`` of round trip. A
-case is ``SIZE_MIB:RATE_MIBPS``. The step is saved once (without the proxy); then, per
-repeat, in rotated order, each through the proxy and each with a fresh S3 client (its
-connections not yet open; one request made before the clock starts, as a client that has
-just listed the bucket):
+case is ``SIZE_MIB:RATE_MIBPS[:REPEATS]`` (repeats default to ``--repeats``). The step is
+saved once (without the proxy); then, per repeat, in rotated order, each through the proxy
+and each with a fresh S3 client (its connections not yet open; one request made before
+the clock starts, as a client that has just listed the bucket):
 
 tiercheck     ``Checkpointer(local=<empty dir>, remote=...).restore(template)``: listing,
               marker, manifest, size, then the shard's ranges into the template's tensors,
@@ -21,8 +21,8 @@ ranges        ``--concurrency`` threads, each one ``fs.cat_file(shard, start, en
 one_get       one ``fs.cat_file(shard)`` (cases up to ``--one-get-max-mib``)
 
 ``--profile`` traces one more tiercheck restore per case: every request (listing, marker,
-manifest, size, each range: when it started and ended, on which thread) and the checksum
-work, and prints where the time went.
+manifest, size, each range: when it started and ended, on which thread), how many ranges
+were in flight, and the time before the first range and after the last.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ sys.path.insert(0, REPO)
 
 import fsspec  # noqa: E402
 import torch  # noqa: E402
+from common import git_rev  # noqa: E402
 
 import tiercheck  # noqa: E402
 from tests.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
@@ -122,8 +123,10 @@ class Trace:
 
 
 class Case:
-    def __init__(self, args: argparse.Namespace, server: SeaweedFS, size_mib: int, rate_mibps: float) -> None:
-        self.args, self.server = args, server
+    def __init__(
+        self, args: argparse.Namespace, server: SeaweedFS, size_mib: int, rate_mibps: float, repeats: int
+    ) -> None:
+        self.args, self.server, self.repeats = args, server, repeats
         self.size_mib, self.rate = size_mib, rate_mibps
         self.state = make_state(size_mib)
         self.template = {k: torch.zeros_like(v) for k, v in self.state.items()}
@@ -210,12 +213,12 @@ class Case:
     def run(self) -> None:
         self.tiercheck()  # warm-up (not timed): buffers, the server's caches
         methods = self.methods()
-        for rep in range(self.args.repeats):
+        for rep in range(self.repeats):
             k = rep % len(methods)
             for name, fn in methods[k:] + methods[:k]:
                 self.times[name].append(fn(None))
             print(
-                f"  repeat {rep + 1}/{self.args.repeats}: "
+                f"  repeat {rep + 1}/{self.repeats}: "
                 + ", ".join(f"{m} {v[-1]:.2f}s" for m, v in self.times.items() if v),
                 flush=True,
             )
@@ -232,6 +235,7 @@ class Case:
         return {
             "size_mib": self.size_mib,
             "rate_mibps": self.rate,
+            "repeats": self.repeats,
             "shard_bytes": self.shard_bytes,
             "times": self.times,
             "median": med,
@@ -242,13 +246,15 @@ class Case:
 def report(args: argparse.Namespace, results: list[dict[str, Any]], load: tuple[float, float], run_s: float) -> None:
     print()
     print(
-        f"**restore_network**: {args.rtt_ms:g} ms RTT, remote_concurrency={args.concurrency}, {args.repeats} repeats, "
-        f"methods interleaved; {os.cpu_count()} CPUs, torch {torch.__version__}; load avg (1 min) start "
+        f"**restore_network**: {args.rtt_ms:g} ms RTT, remote_concurrency={args.concurrency}, methods interleaved; "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, revision {git_rev()}; load avg (1 min) start "
         f"{load[0]:.1f}, end {load[1]:.1f}; run took {run_s:.0f} s"
     )
     print()
-    print("| state | per connection | method | median s | min s | max s | MiB/s @median | ranges / tiercheck |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print(
+        "| state | per connection | method | repeats | median s | min s | max s | MiB/s @median | ranges / tiercheck |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         for m in METHODS:
             v = r["times"][m]
@@ -257,8 +263,8 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], load: tuple[
             med = r["median"][m]
             ratio = f"{r['median']['ranges'] / med:.2f}" if m == "tiercheck" else ""
             print(
-                f"| {r['size_mib']} MiB | {r['rate_mibps']:g} MiB/s | {m} | {med:.2f} | {min(v):.2f} | {max(v):.2f} "
-                f"| {r['shard_bytes'] / MiB / med:.1f} | {ratio} |"
+                f"| {r['size_mib']} MiB | {r['rate_mibps']:g} MiB/s | {m} | {len(v)} | {med:.2f} | {min(v):.2f} "
+                f"| {max(v):.2f} | {r['shard_bytes'] / MiB / med:.1f} | {ratio} |"
             )
     if args.json:
         with open(args.json, "w") as f:
@@ -267,8 +273,10 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], load: tuple[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="64:10,1024:10", help="SIZE_MIB:RATE_MIBPS,... (rate per connection)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--cases", default="64:10:5,1024:10:3", help="SIZE_MIB:RATE_MIBPS[:REPEATS],... (rate per connection)"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="for cases that give none")
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--concurrency", type=int, default=8, help="tiercheck's remote_concurrency = the GETs in flight")
     ap.add_argument("--one-get-max-mib", type=int, default=256, help="skip the single GET above this size")
@@ -277,7 +285,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
-    cases = [(int(s), float(r)) for s, r in (c.split(":") for c in args.cases.split(","))]
+    cases = []
+    for spec in args.cases.split(","):
+        size, rate, *reps = spec.split(":")
+        cases.append((int(size), float(rate), int(reps[0]) if reps else args.repeats))
     server_dir = tempfile.mkdtemp(prefix="tc-rn-weed-")  # SeaweedFS puts unix sockets there: keep it short
     server = SeaweedFS(server_dir)
     load0 = os.getloadavg()[0]
@@ -285,9 +296,9 @@ def main() -> None:
     results = []
     try:
         server.start()
-        for size, rate in cases:
+        for size, rate, repeats in cases:
             print(f"case {size} MiB at {rate:g} MiB/s per connection, {args.rtt_ms:g} ms RTT", flush=True)
-            case = Case(args, server, size, rate)
+            case = Case(args, server, size, rate, repeats)
             try:
                 case.setup()
                 case.run()

@@ -212,14 +212,17 @@ def test_what_is_fetched_ahead_stays_within_its_window() -> None:
 
 def test_a_failed_or_short_range_fails_the_read() -> None:
     """A range that cannot be fetched fails the read that needs it (after its retries), and
-    one that comes back short is an EOFError (restore: a corrupted shard), never zeros."""
+    is asked for again by a later read; one that comes back short is an EOFError (restore:
+    a corrupted shard), never zeros."""
     data = np.random.default_rng(4).bytes(20 * MiB)
     tier = RemoteTier(memory_url("fail"))
     tier.retry = RetryPolicy(budget_s=0.2, initial_s=0.01, max_s=0.05)
     bad = read_piece_size(len(data), 4) * 2
 
+    failing = [True]
+
     def broken(start: int, n: int) -> bytes:
-        if start == bad:
+        if start == bad and failing[0]:
             raise OSError(5, "input/output error")
         return data[start : start + n]
 
@@ -228,6 +231,10 @@ def test_a_failed_or_short_range_fails_the_read() -> None:
         reader.read_into(0, memoryview(bytearray(bad)))  # before the bad piece: fine
         with pytest.raises(OSError, match="input/output"):
             reader.read_into(bad, memoryview(bytearray(MiB)))
+        failing[0] = False
+        again = bytearray(MiB)
+        reader.read_into(bad, memoryview(again))
+        assert again == data[bad : bad + MiB]
     finally:
         reader.close()
     short = RangeReader(lambda s, n: data[s : s + n - 1], len(data), 4, tier._call, "reading test data")

@@ -691,6 +691,8 @@ class RangeReader:
         wanted = {self._pieces[i]: i for i in range(first, last + 1)}
         for fut in as_completed(wanted):
             i = wanted[fut]
+            if fut.exception() is not None:
+                del self._pieces[i]  # a later read of it asks again
             data = memoryview(fut.result())
             start = i * self.piece
             lo, hi = max(start, offset), min(start + len(data), end)
