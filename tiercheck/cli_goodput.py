@@ -4,6 +4,7 @@ save), over the run log (`runlog.py`) and the formulas in `goodput.py`. Both onl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 from . import goodput
 from .goodput import CATEGORIES, Report, format_duration, parse_duration
-from .runlog import read_records
+from .runlog import RunLogFiles, no_log_message
 
 __all__ = ["COMMANDS", "add_parsers", "main"]
 
@@ -89,24 +90,26 @@ def _duration(name: str, text: str | None, positive: bool = True) -> float | Non
 
 
 def _load(location: str, rank: int | None) -> Report:
+    """One rank's report (default: the lowest rank with a log), reading that rank's files
+    only, a line at a time: the other ranks' logs are known by their names alone."""
     try:
-        records, bad = read_records(location)
+        files = RunLogFiles(location)
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
-    report = goodput.summarise(records, rank)
+    chosen = rank if rank is not None else (files.ranks[0] if files.ranks else None)
+    if chosen is None or chosen not in files.ranks:
+        raise UsageError(no_log_message(files, rank))
+    report = goodput.summarise(files.records(chosen), chosen)
+    skipped = tuple(files.skipped_files)
     if not report.runs:
-        raise UsageError(f"no run of rank {rank} in the run log of {location} (ranks there: {list(report.ranks)})")
-    if bad:
-        report = Report(
-            report.rank,
-            report.runs,
-            report.total,
-            report.flags,
-            report.ranks,
-            report.skipped_records + bad,
-            report._timeline,
-        )
-    return report
+        why = f"; skipped {'; '.join(skipped)}" if skipped else ""
+        raise UsageError(f"no run of rank {chosen} in the run log of {location} (ranks there: {files.ranks}){why}")
+    return dataclasses.replace(
+        report,
+        ranks=tuple(sorted(set(report.ranks) | set(files.ranks))),
+        skipped_records=report.skipped_records + files.bad,
+        skipped_files=skipped,
+    )
 
 
 # -- report ----------------------------------------------------------------------------
@@ -185,7 +188,11 @@ def format_report(report: Report, location: str) -> str:
     if errors:
         lines.append(f"errors: {errors} failed step writes (see the `durable`/`error` records)")
     if report.skipped_records:
-        lines.append(f"skipped {report.skipped_records} unreadable record(s) (a line torn by a crash)")
+        lines.append(
+            f"skipped {report.skipped_records} unreadable record(s) (a line torn by a crash, or not a record "
+            "this library writes)"
+        )
+    lines += [f"skipped file {f}" for f in report.skipped_files]
     lines += [f"! {f}" for f in report.flags]
     return "\n".join(lines)
 

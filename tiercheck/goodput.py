@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -292,6 +292,7 @@ class Report:
     flags: tuple[str, ...]
     ranks: tuple[int, ...] = ()
     skipped_records: int = 0
+    skipped_files: tuple[str, ...] = ()  # "path: reason": files named like a log but not read
     _timeline: tuple[_Session, ...] = field(default=(), repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -303,6 +304,7 @@ class Report:
             "total": self.total.to_dict(),
             "flags": list(self.flags),
             "skipped_records": self.skipped_records,
+            "skipped_files": list(self.skipped_files),
         }
 
 
@@ -329,21 +331,68 @@ class _Session:
     restore_s: float = 0.0
     restored: bool = False
     restored_step: int | None = None
+    # What the records say, kept in memory that does not grow with the log: only the
+    # extremes of the anchors and save times are ever used, sums for the durable times, and
+    # the timeline's windows and intervals are merged pairwise past `MAX_SPANS`.
     failed: set[tuple[object, object]] = field(default_factory=set)  # (step, tier) that failed
-    anchors: list[tuple[int, int]] = field(default_factory=list)  # (step, iterations done)
-    save_times: list[tuple[float, int]] = field(default_factory=list)  # (t, step)
-    durable: dict[str, list[float]] = field(default_factory=dict)
+    failed_more: int = 0  # failures beyond `MAX_FAILED` distinct ones
+    anchor_lo: tuple[int, int] | None = None  # (iterations done, step), least and greatest
+    anchor_hi: tuple[int, int] | None = None
+    save_count: int = 0
+    save_lo: tuple[float, int] | None = None  # (t, step), earliest and latest
+    save_hi: tuple[float, int] | None = None
+    durable: dict[str, tuple[float, int]] = field(default_factory=dict)  # tier: (sum, count)
     windows: list[tuple[float, float, float, float]] = field(default_factory=list)  # t0, t1, compute, wait
-    intervals: list[tuple[float, float, str]] = field(default_factory=list)  # t0, t1, category
+    intervals: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)  # cat: t0, t1, seconds
 
     def saves(self) -> int:
-        return len(self.save_times)
+        return self.save_count
+
+    def anchor(self, step: int, it: int) -> None:
+        a = (it, step)
+        self.anchor_lo = a if self.anchor_lo is None else min(self.anchor_lo, a)
+        self.anchor_hi = a if self.anchor_hi is None else max(self.anchor_hi, a)
+
+    def saved(self, t: float, step: int) -> None:
+        self.save_count += 1
+        p = (t, step)
+        self.save_lo = p if self.save_lo is None else min(self.save_lo, p)
+        self.save_hi = p if self.save_hi is None else max(self.save_hi, p)
+
+    def add_failed(self, key: tuple[object, object]) -> None:
+        if len(self.failed) < MAX_FAILED or key in self.failed:
+            self.failed.add(key)
+        else:
+            self.failed_more += 1
+
+    def errors(self) -> int:
+        return len(self.failed) + self.failed_more
+
+    def add_window(self, w: tuple[float, float, float, float]) -> None:
+        self.windows.append(w)
+        if len(self.windows) > MAX_SPANS:
+            self.halve()
+
+    def add_interval(self, t0: float, t1: float, cat: str) -> None:
+        spans = self.intervals.setdefault(cat, [])
+        spans.append((t0, t1, t1 - t0))
+        if len(spans) > MAX_SPANS:
+            self.halve()
+
+    def spans(self) -> int:
+        return len(self.windows) + sum(len(v) for v in self.intervals.values())
+
+    def halve(self) -> None:
+        """The timeline at half the resolution: neighbouring spans merged, totals kept."""
+        self.windows = _halve(sorted(self.windows), lambda a, b: (a[0], b[1], a[2] + b[2], a[3] + b[3]))
+        for cat, spans in self.intervals.items():
+            self.intervals[cat] = _halve(sorted(spans), lambda a, b: (a[0], max(a[1], b[1]), a[2] + b[2]))
 
     def ratio(self) -> float:
         """Steps per loop iteration, from the anchors (1 when they cannot tell)."""
-        pts = sorted(set(self.anchors), key=lambda a: (a[1], a[0]))
-        if len(pts) >= 2 and pts[-1][1] > pts[0][1]:
-            r = (pts[-1][0] - pts[0][0]) / (pts[-1][1] - pts[0][1])
+        lo, hi = self.anchor_lo, self.anchor_hi
+        if lo is not None and hi is not None and hi[0] > lo[0]:
+            r = (hi[1] - lo[1]) / (hi[0] - lo[0])
             if r > 0:
                 return r
         return 1.0
@@ -351,20 +400,19 @@ class _Session:
     def furthest_step(self) -> int | None:
         # A save made in the body of iteration i is anchored at i, even if the run died
         # before that iteration finished and was counted.
-        done = max([self.iterations, self.reached] + [it for _, it in self.anchors])
+        hi = self.anchor_hi
+        done = max(self.iterations, self.reached, hi[0] if hi is not None else 0)
         if done == 0:
-            steps = [s for s, _ in self.anchors]
-            return max(steps) if steps else None
-        anchors = self.anchors or [(-1, 0)]  # a fresh start: the first iteration makes step 0
-        step, it = max(anchors, key=lambda a: (a[1], a[0]))
+            return None if hi is None else hi[1]
+        it, step = hi if hi is not None else (0, -1)  # a fresh start: the first iteration makes step 0
         return step + round((done - it) * self.ratio())
 
     def step_time(self) -> float | None:
         if self.iterations > 0:
             return (self.compute_s + self.data_wait_s) / (self.iterations * self.ratio())
-        pts = sorted(self.save_times)
-        if len(pts) >= 2 and pts[-1][1] > pts[0][1]:
-            return (pts[-1][0] - pts[0][0]) / (pts[-1][1] - pts[0][1])
+        lo, hi = self.save_lo, self.save_hi
+        if self.save_count >= 2 and lo is not None and hi is not None and hi[1] > lo[1]:
+            return (hi[0] - lo[0]) / (hi[1] - lo[1])
         return None
 
     def per_step(self) -> tuple[float, float]:
@@ -387,14 +435,41 @@ class _Session:
         return (self.stall_s + excess) / n
 
 
+MAX_SECONDS = 1e11  # a time (since the epoch, about year 5100) or a duration beyond this is no record's
+MAX_INT = 2**63 - 1  # nor a step, count or rank beyond this
+MAX_SPANS = 8192  # timeline spans (loop windows, stalls) kept in all runs together before merging pairs
+MAX_FAILED = 65536  # distinct (step, tier) failures kept per run; more are only counted
+MAX_UNPLACED = 4096  # records held until their session's start arrives (a list in any order)
+
+_T = TypeVar("_T")
+
+
+def _halve(spans: list[_T], merge: Callable[[_T, _T], _T]) -> list[_T]:
+    """Neighbours merged pairwise: half as many spans, the same totals."""
+    out = [merge(spans[i], spans[i + 1]) for i in range(0, len(spans) - 1, 2)]
+    if len(spans) % 2:
+        out.append(spans[-1])
+    return out
+
+
 def _num(v: object) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    """A time or duration in seconds: a finite, non-negative number below `MAX_SECONDS`."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    return float(v)
+    if isinstance(v, int) and not 0 <= v <= MAX_SECONDS:  # before float(): a huge int overflows it
+        return None
+    x = float(v)
+    return x if 0.0 <= x <= MAX_SECONDS else None  # NaN fails both
 
 
 def _int(v: object) -> int | None:
-    return v if type(v) is int else None
+    """A step, count or rank: an int (not a bool) in [0, 2**63)."""
+    return v if type(v) is int and 0 <= v <= MAX_INT else None
+
+
+def _opt_step(v: object) -> tuple[bool, int | None]:
+    """(valid, step) for a field that holds a step or None."""
+    return (True, None) if v is None else (_int(v) is not None, _int(v))
 
 
 def _apply(s: _Session, r: Mapping[str, Any]) -> bool:
@@ -417,44 +492,50 @@ def _apply(s: _Session, r: Mapping[str, Any]) -> bool:
         s.busy_iterations += busy
         s.busy_wait_s += bwait
         s.busy_compute_s += bcomp
-        s.windows.append((t0, t, comp, wait))
+        s.add_window((t0, t, comp, wait))
         s.loop_end = max(s.loop_end, t)
     elif kind == "save":
         step, it, stall = _int(r.get("step")), _int(r.get("iter")), _num(r.get("stall_s"))
         if step is None or it is None or stall is None:
             return False
         s.stall_s += stall
-        s.anchors.append((step, it))
-        s.save_times.append((t, step))
-        s.intervals.append((t, t + stall, "checkpoint"))
+        s.anchor(step, it)
+        s.saved(t, step)
+        s.add_interval(t, t + stall, "checkpoint")
     elif kind == "durable":
-        tiers = r.get("tier_s")
-        if not isinstance(tiers, Mapping):
+        tiers, errors = r.get("tier_s"), r.get("errors")
+        ok, step = _opt_step(r.get("step"))
+        if not isinstance(tiers, Mapping) or not ok or not (errors is None or isinstance(errors, Mapping)):
             return False
         for name, v in tiers.items():
             if (x := _num(v)) is not None:
-                s.durable.setdefault(str(name), []).append(x)
-        errors = r.get("errors")
-        if isinstance(errors, Mapping):
-            s.failed.update((r.get("step"), str(k)) for k in errors)
+                total, n = s.durable.get(str(name), (0.0, 0))
+                s.durable[str(name)] = (total + x, n + 1)
+        for k in errors or ():
+            s.add_failed((step, str(k)))
     elif kind == "restore":
-        dur, step, it = _num(r.get("dur_s")), r.get("step"), _int(r.get("iter"))
-        if dur is None or it is None or not (step is None or type(step) is int):
+        dur, it = _num(r.get("dur_s")), _int(r.get("iter"))
+        ok, step = _opt_step(r.get("step"))
+        if dur is None or it is None or not ok:
             return False
         s.restore_s += dur
         s.restored = True
         s.restored_step = step
         if step is not None:
-            s.anchors.append((step, it))
-        s.intervals.append((t, t + dur, "restore"))
+            s.anchor(step, it)
+        s.add_interval(t, t + dur, "restore")
     elif kind in ("wait", "drain"):
         dur = _num(r.get("dur_s"))
         if dur is None:
             return False
         s.blocked_s += dur
-        s.intervals.append((t, t + dur, "checkpoint"))
+        s.add_interval(t, t + dur, "checkpoint")
     elif kind == "error":
-        s.failed.add((r.get("step"), r.get("tier")))
+        ok, step = _opt_step(r.get("step"))
+        tier = r.get("tier")
+        if not ok or not (tier is None or isinstance(tier, str)):
+            return False
+        s.add_failed((step, tier))
     elif kind == "heartbeat":
         it = _int(r.get("iter"))
         if it is None:
@@ -467,47 +548,77 @@ def _apply(s: _Session, r: Mapping[str, Any]) -> bool:
         dur = _num(r.get("dur_s"))
         if dur is not None:
             s.blocked_s += dur
-            s.intervals.append((t, t + dur, "checkpoint"))
+            s.add_interval(t, t + dur, "checkpoint")
             s.end_t = max(s.end_t, t + dur)
     elif kind != "start":
         return True  # a kind from a newer version: ignored, not malformed
     return True
 
 
+def _coarsen(sessions: Iterable[_Session]) -> None:
+    """Keep the timeline within `MAX_SPANS` spans in all (memory that does not grow with the
+    log): the runs with the most spans are drawn at half the resolution."""
+    runs = list(sessions)
+    total = sum(s.spans() for s in runs)
+    while total > MAX_SPANS:
+        s = max(runs, key=_Session.spans)
+        before = s.spans()
+        s.halve()
+        if s.spans() == before:
+            return
+        total -= before - s.spans()
+
+
+def _rank_of(r: object) -> int | None:
+    """The rank of a record of this schema, None for one that is not."""
+    if not isinstance(r, Mapping) or r.get("v") != SCHEMA_VERSION or not isinstance(r.get("session"), str):
+        return None
+    return _int(r.get("rank"))
+
+
 def _sessions(records: Iterable[Mapping[str, Any]], rank: int | None) -> tuple[list[_Session], list[int], int]:
-    """Group records by session (of one rank), in start order; also every rank seen and
-    how many records were skipped as malformed."""
+    """Group one rank's records by session, folded as they stream by (they are not kept),
+    sessions in start order; also every rank seen and how many records were skipped as
+    malformed. `rank` None: the lowest rank present, which takes the records in memory."""
+    if rank is None:
+        records = list(records)
+        present = [rk for r in records if (rk := _rank_of(r)) is not None]
+        rank = min(present) if present else None
     by_id: dict[str, _Session] = {}
+    unplaced: dict[str, list[Mapping[str, Any]]] = {}  # records that came before their session's start
+    held = 0
     ranks: set[int] = set()
-    pending: list[Mapping[str, Any]] = []
-    skipped = 0
+    skipped = applied = 0
     for r in records:
-        if not isinstance(r, Mapping) or r.get("v") != SCHEMA_VERSION or not isinstance(r.get("session"), str):
-            skipped += 1
-            continue
-        rk = _int(r.get("rank"))
+        rk = _rank_of(r)
         if rk is None:
             skipped += 1
             continue
         ranks.add(rk)
-        pending.append(r)
-    chosen = rank if rank is not None else (min(ranks) if ranks else None)
-    mine = sorted(
-        (r for r in pending if r["rank"] == chosen),
-        key=lambda r: (_num(r.get("t")) or 0.0, _int(r.get("seq")) or 0),
-    )
-    for r in mine:
+        if rk != rank:
+            continue
         sid = r["session"]
         s = by_id.get(sid)
-        if s is None:
-            t = _num(r.get("t"))
-            if r.get("kind") != "start" or t is None:
-                skipped += 1  # its start record is lost (a torn line): the session cannot be placed
-                continue
-            s = by_id[sid] = _Session(session=sid, rank=r["rank"], start_t=t, end_t=t)
+        if s is not None:
+            skipped += not _apply(s, r)
+            applied += 1
+            if applied % 4096 == 0:
+                _coarsen(by_id.values())
             continue
-        if not _apply(s, r):
-            skipped += 1
+        t = _num(r.get("t"))
+        if r.get("kind") != "start" or t is None:
+            if held < MAX_UNPLACED:  # its start may come later (a list in any order)
+                unplaced.setdefault(sid, []).append(r)
+                held += 1
+            else:
+                skipped += 1
+            continue
+        s = by_id[sid] = _Session(session=sid, rank=rk, start_t=t, end_t=t)
+        early = unplaced.pop(sid, [])
+        held -= len(early)
+        skipped += sum(not _apply(s, e) for e in early)
+    # Those whose start record is lost (a torn line) cannot be placed.
+    skipped += held
     for s in by_id.values():
         # A heartbeat whose window began after the newest loop window ended holds the loop
         # timing a crash kept from being flushed.
@@ -574,11 +685,11 @@ def summarise(records: Iterable[Mapping[str, Any]], rank: int | None = None) -> 
                 stall_s=s.stall_s,
                 mean_stall_s=s.stall_s / s.saves() if s.saves() else None,
                 save_cost_s=s.save_cost(),
-                durable_s={k: sum(v) / len(v) for k, v in sorted(s.durable.items())},
+                durable_s={k: total / n for k, (total, n) in sorted(s.durable.items())},
                 restored_step=s.restored_step,
                 furthest_step=s.furthest_step(),
                 step_time_s=s.step_time(),
-                errors=len(s.failed),
+                errors=s.errors(),
                 data_wait_exceeds_checkpoint=s.data_wait_s > ckpt_cost and s.data_wait_s > 0,
             )
         )
@@ -610,11 +721,12 @@ def _totals(runs: list[RunSummary], sessions: list[_Session], redo_parts: list[t
     redo_wait = sum(w for _, w in redo_parts)
     useful = max(0.0, compute - redo_compute)
     saves = sum(r.saves for r in runs)
-    durable: dict[str, list[float]] = {}
+    durable: dict[str, tuple[float, int]] = {}
     for s in sessions:
-        for k, v in s.durable.items():
-            durable.setdefault(k, []).extend(v)
-    durable_mean = {k: sum(v) / len(v) for k, v in sorted(durable.items())}
+        for k, (x, n) in s.durable.items():
+            total, count = durable.get(k, (0.0, 0))
+            durable[k] = (total + x, count + n)
+    durable_mean = {k: total / n for k, (total, n) in sorted(durable.items())}
     first_tier = "local" if "local" in durable_mean else next(iter(durable_mean), None)
     costs = [(r.save_cost_s or 0.0) * r.saves for r in runs if r.saves]
     bar = {
@@ -717,8 +829,9 @@ def utilisation(report: Report, bins: int = 400) -> tuple[list[float], dict[str,
             spread(a, split, moved, "redo")
             spread(split, b, wait * (1 - moved / work), "data wait")
             spread(split, b, comp * (1 - moved / work), "compute")
-        for t0, t1, cat in s.intervals:
-            spread(t0 - origin, t1 - origin, t1 - t0, cat)
+        for cat, spans in s.intervals.items():
+            for t0, t1, seconds in spans:
+                spread(t0 - origin, t1 - origin, seconds, cat)
         if i > 0 and run.after_failure:
             prev = sessions[i - 1]
             spread(prev.end_t - origin, s.start_t - origin, max(0.0, s.start_t - prev.end_t), "gap")

@@ -35,11 +35,14 @@ bounded (counters, and at most `MAX_PENDING` unwritten lines).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import re
 import secrets
 import socket
+import stat
 import threading
 import time
 from collections import deque
@@ -53,7 +56,7 @@ from .handle import DrainReport, SaveHandle
 from .tiers.base import Tier
 from .tiers.remote import RemoteTier
 
-__all__ = ["DEFAULT_INTERVAL", "RunLog", "read_records"]
+__all__ = ["DEFAULT_INTERVAL", "RunLog", "RunLogFiles", "parse_record", "read_records"]
 
 T = TypeVar("T")
 
@@ -66,6 +69,58 @@ MAX_RECORD_BYTES = 1 << 20  # a reader skips longer lines: no run log has them
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats (tier 1 only)
 HEARTBEAT_BYTES = 512
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # never append through a link planted in the directory
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # nor wait on a FIFO planted there
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class _Refused(OSError):
+    """A file named like one of the run log's that tiercheck may not open: a symbolic link,
+    a FIFO, a device (invariant 8)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.reason = reason
+
+
+def _check_regular(st: os.stat_result, path: str) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise _Refused(path, "a symbolic link, which tiercheck does not follow in its directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise _Refused(path, "not a regular file (a FIFO, a device or a directory named like a run log)")
+
+
+def _open_regular(dfd: int, name: str, flags: int) -> int:
+    """A descriptor of regular file `name` in directory `dfd`, opened with `flags` (with
+    ``O_CREAT``: created if absent), never through a symbolic link. A FIFO or device is
+    refused before it is opened (opening some devices acts on them), and opened without
+    waiting should one be swapped in since (``O_NONBLOCK``).
+
+    Raises:
+        _Refused: `name` is not a regular file.
+    """
+    try:
+        _check_regular(os.stat(name, dir_fd=dfd, follow_symlinks=False), name)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+    try:
+        fd = os.open(name, flags | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC, 0o644, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link or a FIFO swapped in since the check
+            raise _Refused(name, "not a regular file") from None
+        raise
+    try:
+        _check_regular(os.fstat(fd), name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 class _LocalSink:
@@ -75,54 +130,110 @@ class _LocalSink:
     Beside it, ``rank-00000.heartbeat`` holds one fixed-size record overwritten in place
     about once a second (iterations done, time), so that a run killed between two flushes
     is still known to have got that far. A session that starts first appends the previous
-    session's last heartbeat to the log, so the next one cannot overwrite it unseen."""
+    session's last heartbeat to the log, so the next one cannot overwrite it unseen.
+
+    Both are written only as regular files of their own, inside the directory and through no
+    link (invariant 8): a symbolic link, FIFO or device named like them is refused (the
+    write fails, warned once); a file hard-linked elsewhere (a run forked with ``cp -al``,
+    a log kept with ``ln``) is first replaced by a copy of its own, so that the other name
+    keeps what it held."""
 
     def __init__(self, root: str, rank: int, session: str) -> None:
         self.dir = os.path.join(root, layout.RUNLOG_DIR)
-        self.path = os.path.join(self.dir, layout.runlog_file_name(rank))
-        self.beat_path = os.path.join(self.dir, layout.runlog_heartbeat_name(rank))
+        self.name = layout.runlog_file_name(rank)
+        self.beat_name = layout.runlog_heartbeat_name(rank)
+        self.path = os.path.join(self.dir, self.name)
         self._session = session
         self._taken_over = False
 
-    def _take_over(self) -> bytes:
+    def _dir_fd(self) -> int:
+        os.makedirs(self.dir, exist_ok=True)
+        try:
+            return os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(self.dir):
+                raise _Refused(self.dir, "a symbolic link; the run log is written through none") from None
+            raise
+
+    def _own(self, dfd: int, name: str, flags: int) -> int:
+        """A descriptor of our file `name` for writing, created if absent, with no other link."""
+        for _ in range(3):
+            fd = _open_regular(dfd, name, flags | os.O_CREAT)
+            if os.fstat(fd).st_nlink <= 1:
+                return fd
+            os.close(fd)
+            self._unshare(dfd, name)
+        raise _Refused(os.path.join(self.dir, name), "hard-linked again each time it was copied")
+
+    def _unshare(self, dfd: int, name: str) -> None:
+        """Replace `name` by a copy of its own (the other links keep the original)."""
+        tmp = f".{name}.{self._session}.tmp"  # a name `layout` never lists as a log
+        src = _open_regular(dfd, name, os.O_RDONLY)
+        try:
+            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644, dir_fd=dfd)
+            try:
+                try:
+                    while chunk := os.read(src, READ_CHUNK):
+                        _write_all(dst, chunk)
+                finally:
+                    os.close(dst)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+                raise
+        finally:
+            os.close(src)
+
+    def _take_over(self, dfd: int) -> bytes:
         """Once per session: a torn last line is ended, and a foreign heartbeat is kept."""
         self._taken_over = True
         prefix = b""
         try:
-            with open(self.path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                if f.tell():
-                    f.seek(-1, os.SEEK_END)
-                    if f.read(1) != b"\n":  # a line torn by a crash must not swallow ours
-                        prefix = b"\n"
+            fd = _open_regular(dfd, self.name, os.O_RDONLY)
         except FileNotFoundError:
             pass
+        else:
+            try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by a crash must not swallow ours
+                    prefix = b"\n"
+            finally:
+                os.close(fd)
         try:
-            with open(self.beat_path, "rb") as f:
-                beat = f.read(HEARTBEAT_BYTES + 1).strip()
-            rec = json.loads(beat)
-            if isinstance(rec, dict) and rec.get("session") != self._session:
+            fd = _open_regular(dfd, self.beat_name, os.O_RDONLY)
+            try:
+                beat = os.pread(fd, HEARTBEAT_BYTES + 1, 0).strip()
+            finally:
+                os.close(fd)
+            rec = parse_record(beat)
+            if rec is not None and rec.get("session") != self._session:
                 prefix += beat + b"\n"
-        except (OSError, ValueError):
+        except OSError:  # none, or not ours to read: the beat() that follows says so
             pass
         return prefix
 
     def write(self, data: bytes) -> None:
-        os.makedirs(self.dir, exist_ok=True)
-        if not self._taken_over:
-            data = self._take_over() + data
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW, 0o644)
+        dfd = self._dir_fd()
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            if not self._taken_over:
+                data = self._take_over(dfd) + data
+            fd = self._own(dfd, self.name, os.O_WRONLY | os.O_APPEND)
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            os.close(dfd)
 
     def beat(self, line: bytes) -> None:
         if not self._taken_over:
             self.write(b"")
-        fd = os.open(self.beat_path, os.O_WRONLY | os.O_CREAT | _O_NOFOLLOW, 0o644)
+        dfd = self._dir_fd()
+        try:
+            fd = self._own(dfd, self.beat_name, os.O_WRONLY)
+        finally:
+            os.close(dfd)
         try:
             os.pwrite(fd, line.ljust(HEARTBEAT_BYTES - 1) + b"\n", 0)  # one write, always the same size
         finally:
@@ -508,68 +619,209 @@ class RunLog:
 
 # -- reading ---------------------------------------------------------------------------
 
+READ_CHUNK = 256 << 10  # bytes read at a time: with the longest record, what a reader holds of a log
+MAX_BRACKETS = 64  # more [ and { outside strings than any record has: not a record (nor parsed)
+MAX_INT = 2**63 - 1  # a step, an iteration count, a rank or a size beyond this is no value of ours
+_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
-def read_records(location: str, storage_options: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], int]:
-    """Every run-log record under a tier root (a directory or an fsspec URL), and the number
-    of lines that could not be read (torn by a crash). Reads only; never writes.
+
+class RunLogFiles:
+    """The run-log files under a tier root (a directory or an fsspec URL), listed once by
+    name; one rank's records are then read on demand, a line at a time, in bounded memory.
+    Reads only; never writes.
+
+    Locally, only regular files directly inside ``<root>/.tiercheck-runlog`` are read: no
+    symbolic link is followed (the directory itself included) and a FIFO or device named
+    like a log is never read from (opening one does not wait for a writer). Each file
+    skipped so is named in `skipped_files`, with the reason.
+
+    Attributes:
+        where: the run-log directory, for messages.
+        ranks: the ranks that have a log, from the file names (no file is opened to know).
+        bad: lines read so far that are no record: torn by a crash, too long, not JSON, too
+            deeply nested, or with a number out of range.
+        skipped_files: ``"path: reason"`` for each file not read.
+    """
+
+    def __init__(self, location: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.bad = 0
+        self.skipped_files: list[str] = []
+        self._fs: Any = None
+        self._logs: dict[int, list[str]] = {}
+        self._beats: dict[int, list[str]] = {}
+        if "://" in location and not location.startswith("file://"):
+            import fsspec
+
+            self._fs, root = fsspec.core.url_to_fs(location, **(storage_options or {}))
+            self._base = f"{root.rstrip('/')}/{layout.RUNLOG_DIR}"
+            self.where = f"{location.rstrip('/')}/{layout.RUNLOG_DIR}"
+            try:
+                paths = list(self._fs.find(self._base))
+            except FileNotFoundError:
+                paths = []
+            names = [p.rsplit("/", 1)[-1] for p in paths]
+        else:
+            root = location[len("file://") :] if location.startswith("file://") else location
+            self._base = self.where = os.path.join(root, layout.RUNLOG_DIR)
+            names = []
+            try:
+                dfd = self._open_dir()
+            except _Refused as exc:
+                self.skipped_files.append(str(exc))
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            else:
+                try:
+                    names = os.listdir(dfd)
+                finally:
+                    os.close(dfd)
+        for name in sorted(names):
+            rank = layout.parse_runlog_rank(name)
+            if rank is not None:
+                self._logs.setdefault(rank, []).append(name)
+            elif self._fs is None and name.endswith(".heartbeat"):
+                rank = layout.parse_runlog_rank(name[: -len(".heartbeat")] + ".jsonl")
+                if rank is not None:
+                    self._beats.setdefault(rank, []).append(name)
+        self.ranks = sorted(self._logs)
+
+    def _open_dir(self) -> int:
+        """The local run-log directory, not through a link (its root may be reached through links)."""
+        try:
+            return os.open(self._base, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(self._base):
+                raise _Refused(
+                    self.where, "a symbolic link, which tiercheck does not follow (give the directory it links to)"
+                ) from None
+            raise
+
+    def records(self, rank: int) -> Iterator[dict[str, Any]]:
+        """Rank `rank`'s records, file by file and line by line (its heartbeat last); lines
+        that are no record are counted in `bad`. Other ranks' files are not opened."""
+        for name in self._logs.get(rank, []):
+            yield from self._file_records(name, None)
+        for name in self._beats.get(rank, []):
+            yield from self._file_records(name, HEARTBEAT_BYTES + 1)
+
+    def _file_records(self, name: str, limit: int | None) -> Iterator[dict[str, Any]]:
+        heartbeat = limit is not None  # a heartbeat torn by a crash is not an unreadable record
+        with self._open(name) as read:
+            if read is None:
+                return
+            chunks = [read(limit)] if limit is not None else iter(lambda: read(READ_CHUNK), b"")
+            for line in _lines(chunks):
+                rec = None if line is None else parse_record(line)
+                if rec is not None:
+                    yield rec
+                elif not heartbeat:
+                    self.bad += 1
+
+    @contextlib.contextmanager
+    def _open(self, name: str) -> Iterator[Callable[[int], bytes] | None]:
+        """A `read(n)` of file `name`, or None (the reason added to `skipped_files`)."""
+        if self._fs is not None:
+            with self._fs.open(f"{self._base}/{name}", "rb") as f:
+                yield f.read
+            return
+        path = os.path.join(self.where, name)
+        try:
+            fd = _open_regular(self._open_dir(), name, os.O_RDONLY)
+        except _Refused as exc:
+            self.skipped_files.append(f"{path}: {exc.reason}")
+            yield None
+            return
+        except FileNotFoundError:  # gone since the listing (a remote part rewritten, a copy removed)
+            yield None
+            return
+        try:
+            yield lambda n: os.read(fd, n)
+        finally:
+            os.close(fd)
+
+
+def _lines(chunks: Iterable[bytes]) -> Iterator[bytes | None]:
+    """The lines in a stream of chunks; None for each line longer than `MAX_RECORD_BYTES`, of
+    which no more than that is ever held."""
+    buf = bytearray()
+    skipping = False  # inside a line too long to be a record: drop bytes until its end
+    for chunk in chunks:
+        buf += chunk
+        start = 0
+        while (nl := buf.find(b"\n", start)) >= 0:
+            if skipping or nl - start > MAX_RECORD_BYTES:
+                skipping = False
+                yield None
+            else:
+                yield bytes(buf[start:nl])
+            start = nl + 1
+        del buf[:start]
+        if len(buf) > MAX_RECORD_BYTES:
+            skipping = True
+            buf.clear()
+    if skipping:
+        yield None
+    elif buf.strip():
+        yield bytes(buf)
+
+
+def parse_record(line: bytes) -> dict[str, Any] | None:
+    """One run-log line as a record, or None: blank, not a JSON object, nested deeper than a
+    record is (json would recurse on it), or holding a number no record holds (a non-finite
+    float, an integer beyond 2**63: arithmetic on it overflows). Never raises."""
+    if not line.strip():
+        return None
+    if line.count(b"[") + line.count(b"{") > MAX_BRACKETS:
+        bare = _STRING_RE.sub(b"", line)  # brackets inside strings (a message) are text
+        if bare.count(b"[") + bare.count(b"{") > MAX_BRACKETS:
+            return None
+    try:
+        rec = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(rec, dict) or not _sane(rec, 0):
+        return None
+    return rec
+
+
+def _sane(value: object, depth: int) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, int):  # bool included
+        return -MAX_INT <= value <= MAX_INT
+    if isinstance(value, dict):
+        return depth < 3 and all(_sane(v, depth + 1) for v in value.values())
+    if isinstance(value, list):
+        return depth < 3 and all(_sane(v, depth + 1) for v in value)
+    return True
+
+
+def read_records(
+    location: str, storage_options: dict[str, Any] | None = None, rank: int | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """The run-log records under a tier root (a directory or an fsspec URL), of `rank` only
+    or of every rank, and the number of lines that could not be read (torn by a crash). All
+    in memory: `RunLogFiles` reads one rank a line at a time.
 
     Raises:
-        FileNotFoundError: the location holds no run log.
+        FileNotFoundError: the location holds no run log (of `rank`).
     """
-    blobs: list[bytes] = []
-    beats: list[bytes] = []  # a heartbeat torn by a crash is not an unreadable record
-    if "://" in location and not location.startswith("file://"):
-        import fsspec
-
-        fs, root = fsspec.core.url_to_fs(location, **(storage_options or {}))
-        base = f"{root.rstrip('/')}/{layout.RUNLOG_DIR}"
-        try:
-            names = [p for p in fs.find(base) if layout.parse_runlog_rank(p.rsplit("/", 1)[-1]) is not None]
-        except FileNotFoundError:
-            names = []
-        blobs = [fs.cat_file(p) for p in sorted(names)]
-        where = f"{location.rstrip('/')}/{layout.RUNLOG_DIR}"
-    else:
-        root = location[len("file://") :] if location.startswith("file://") else location
-        where = os.path.join(root, layout.RUNLOG_DIR)
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            for name in sorted(os.listdir(where)):
-                if layout.parse_runlog_rank(name) is not None:
-                    with open(os.path.join(where, name), "rb") as f:
-                        blobs.append(f.read())
-                elif name.endswith(".heartbeat") and layout.parse_runlog_rank(name[: -len(".heartbeat")] + ".jsonl"):
-                    with open(os.path.join(where, name), "rb") as f:
-                        beats.append(f.read(HEARTBEAT_BYTES + 1))
-    if not blobs:
-        raise FileNotFoundError(
-            f"no run log in {where}: it is written by a Checkpointer on this directory once it saves "
-            "or runs a `ckpt.timed(loader)` loop (tiercheck >= 0.1 with run_log_interval set)"
-        )
-    records: list[dict[str, Any]] = []
-    bad = 0
-    for blob in blobs:
-        for line in blob.split(b"\n"):
-            if not line.strip():
-                continue
-            if len(line) > MAX_RECORD_BYTES:
-                bad += 1
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if isinstance(rec, dict) and _finite(rec):
-                records.append(rec)
-            else:
-                bad += 1
-    for beat in beats:
-        with contextlib.suppress(ValueError):
-            rec = json.loads(beat)
-            if isinstance(rec, dict) and _finite(rec):
-                records.append(rec)
-    return records, bad
+    files = RunLogFiles(location, storage_options)
+    ranks = files.ranks if rank is None else [r for r in files.ranks if r == rank]
+    if not ranks:
+        raise FileNotFoundError(no_log_message(files, rank))
+    records = [r for rk in ranks for r in files.records(rk)]
+    return records, files.bad
 
 
-def _finite(rec: dict[str, Any]) -> bool:
-    return all(not (isinstance(v, float) and not math.isfinite(v)) for v in rec.values())
+def no_log_message(files: RunLogFiles, rank: int | None) -> str:
+    """Why `files` holds no log (of `rank`), in one line."""
+    whose = "" if rank is None else f" of rank {rank}"
+    if files.skipped_files:
+        return f"no run log{whose} in {files.where}: skipped {'; '.join(files.skipped_files)}"
+    if files.ranks:
+        return f"no run log{whose} in {files.where} (ranks there: {files.ranks})"
+    return (
+        f"no run log{whose} in {files.where}: it is written by a Checkpointer on this directory once it saves "
+        "or runs a `ckpt.timed(loader)` loop (tiercheck >= 0.1 with run_log_interval set)"
+    )
