@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import KIB, MIB, PlainBuffer, drop_tree_cache, machine_info, rotated, summary  # noqa: E402
+from common import KIB, MIB, PlainBuffer, drop_tree_cache, machine_info, rotated, summary
 
 SAVE_METHODS = ("floor", "tiercheck", "torch_save", "dcp")
 RESTORE_METHODS = ("plain", "tiercheck", "torch_load")

@@ -351,3 +351,24 @@ def test_many_small_tensors_round_trip(tmp_path: Path) -> None:
                 assert torch.equal(target[k].view(torch.uint8), v.view(torch.uint8)), k
             for v in state.values():
                 v.view(torch.uint8).bitwise_xor_(1)
+
+
+def test_a_corrupted_small_leaf_is_named(tmp_path: Path) -> None:
+    """Small entries are read and hashed in runs: a flipped byte in one of them still fails
+    the restore, naming that leaf."""
+    from tiercheck import layout
+
+    state = {f"p{i}": torch.full((64,), float(i)) for i in range(500)}
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
+        ckpt.save(1, state).wait()
+    (shard,) = list(tmp_path.rglob(layout.shard_name(0, 1)))
+    with open(shard, "r+b") as f:  # leaf i at i * 4096 (each leaf fits one aligned block)
+        f.seek(321 * 4096 + 5)
+        byte = f.read(1)
+        f.seek(321 * 4096 + 5)
+        f.write(bytes([byte[0] ^ 0x40]))
+    target = {k: torch.zeros(64) for k in state}
+    with tiercheck.Checkpointer(local=tmp_path) as ckpt, pytest.raises(
+        tiercheck.CheckpointCorruptedError, match=r"checksum mismatch for state\['p321'\]"
+    ):
+        ckpt.restore(target, step=1)

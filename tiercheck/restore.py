@@ -27,7 +27,7 @@ from .catalog import (
     read_marker_and_guess,
     reading_committed,
 )
-from .checksum import checksum_stream
+from .checksum import checksum_function, checksum_stream
 from .dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from .errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError, StepPrunedError
 from .events import report_missing_keys
@@ -703,13 +703,22 @@ def _read_verified(
     progress: ProgressCallback | None = None,
 ) -> None:
     """Read every entry in file order, checksumming on a helper thread chunk by chunk while
-    the next chunk is read, so verification costs no time when the disk is the bottleneck."""
+    the next chunk is read, so verification costs no time when the disk is the bottleneck.
+    Runs of small entries (`_small_runs`) take one read and one checksum task each."""
     pending: list[tuple[Entry, Future[str]]] = []
+    batched: list[tuple[list[_Read], Future[list[str]]]] = []
     total = sum(len(r.dest) for r in reads)
     done = 0
     with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-verify") as hasher:
         try:
-            for r in sorted(reads, key=lambda r: (r.entry.file, r.entry.offset)):
+            large, runs = _small_runs(reads)
+            for run in runs:
+                _read_run(files, run)
+                batched.append((run, hasher.submit(_run_digests, algorithm, run)))
+                if progress is not None:
+                    done += sum(len(r.dest) for r in run)
+                    progress(done, total)
+            for r in large:
                 e, dest = r.entry, r.dest
                 h = checksum_stream(algorithm)
                 for pos in range(0, len(dest), READ_CHUNK):
@@ -724,15 +733,63 @@ def _read_verified(
                         progress(done, total)
                 pending.append((e, hasher.submit(h.hexdigest)))
         except BaseException:
-            for _, fut in pending:
+            for fut in [f for _, f in pending] + [f for _, f in batched]:
                 fut.cancel()
             raise
-        for e, fut in pending:
-            if fut.result() != e.checksum:
+        checked = [(e, fut.result()) for e, fut in pending]
+        checked += [(r.entry, digest) for run, bfut in batched for r, digest in zip(run, bfut.result(), strict=True)]
+        for e, digest in checked:
+            if digest != e.checksum:
                 raise CheckpointCorruptedError(
                     f"{tier.path_of(step, e.file)}: checksum mismatch for {e.path} "
                     f"(bytes {e.offset}..{e.offset + e.length})"
                 )
+
+
+_SMALL_READ = 1 << 20  # entries up to this size are read in runs (`_small_runs`)
+_RUN_BYTES = 8 << 20  # file bytes one run's read spans at most
+
+
+def _small_runs(reads: Sequence[_Read]) -> tuple[list[_Read], list[list[_Read]]]:
+    """The large reads, and the small ones grouped in runs of one file spanning at most
+    `_RUN_BYTES`, all in file order: a state of many small tensors is read (and hashed) a
+    few MiB per call, not one system call and two checksum tasks per leaf."""
+    large: list[_Read] = []
+    runs: list[list[_Read]] = []
+    for r in sorted(reads, key=lambda r: (r.entry.file, r.entry.offset)):
+        if len(r.dest) > _SMALL_READ:
+            large.append(r)
+            continue
+        run = runs[-1] if runs else None
+        if (
+            run is None
+            or run[0].entry.file != r.entry.file
+            or r.entry.offset + len(r.dest) - run[0].entry.offset > _RUN_BYTES
+        ):
+            runs.append([r])
+        else:
+            run.append(r)
+    return large, runs
+
+
+def _read_run(files: Mapping[str, ReadableFile], run: list[_Read]) -> None:
+    """One read of the file span `run` covers, copied out into each read's destination."""
+    start = run[0].entry.offset
+    end = max(r.entry.offset + len(r.dest) for r in run)
+    span = memoryview(bytearray(end - start))
+    try:
+        files[run[0].entry.file].read_into(start, span)
+    except EOFError as exc:
+        raise CheckpointCorruptedError(str(exc)) from None
+    for r in run:
+        if len(r.dest):  # an empty entry's destination is a read-only b""
+            lo = r.entry.offset - start
+            r.dest[:] = span[lo : lo + len(r.dest)]
+
+
+def _run_digests(algorithm: str, run: list[_Read]) -> list[str]:
+    digest = checksum_function(algorithm)
+    return [digest(r.dest) for r in run]
 
 
 _RELISTS = 3  # how often a step pruned while read makes an automatic restore list the tiers again
