@@ -26,7 +26,10 @@ What (schema `goodput.SCHEMA_VERSION`; every record has ``v``, ``kind``, ``sessi
   flushed (the ``loop`` fields); tier 1 only: the ``.heartbeat`` file beside the log,
   overwritten about once a second, appended to the log by the next session.
 
-Rules: nothing is written until the session trains (its first `save()` or a batch of
+Rules: the log and heartbeat are written only as regular files of their own inside the
+directory, never through a link (invariant 8: a link, FIFO or device named like them is
+refused and warned once; one hard-linked elsewhere is first replaced by a copy of its own);
+nothing is written until the session trains (its first `save()` or a batch of
 ``ckpt.timed(loader)``), so a script that only restores never changes a tier; a failure to
 write is logged once as a warning and otherwise ignored (training goes on); memory is
 bounded (counters, and at most `MAX_PENDING` unwritten lines).
@@ -732,6 +735,10 @@ class RunLogFiles:
             yield None
             return
         except FileNotFoundError:  # gone since the listing (a remote part rewritten, a copy removed)
+            yield None
+            return
+        except OSError as exc:  # not ours to read (permissions): the others still are
+            self.skipped_files.append(f"{path}: {exc.strerror or exc}")
             yield None
             return
         try:
