@@ -9,6 +9,7 @@ and nothing written to the destination."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -239,6 +240,43 @@ def test_a_compressed_record_in_an_item_is_refused(tmp_path: Path, capsys: pytes
     dest = tmp_path / "dest"
     code, err, _ = run_import(src, dest, capsys=capsys)
     assert_refused(code, err, dest, 1, "z.distcp", "compressed")
+
+
+def _replace_item(src: Path, fqn: str, value: object, raw: bytes | None = None) -> None:
+    """Item `fqn` of `src` becomes a `torch.save` of `value` (or `raw` bytes), in a file of its own."""
+    path = src / "__5_0.distcp"
+    if raw is None:
+        torch.save(value, path)
+    else:
+        path.write_bytes(raw)
+    repoint(src, fqn, relative_path=path.name, offset=0, length=path.stat().st_size)
+
+
+@pytest.mark.parametrize("what", ["other shape", "other dtype", "not a tensor", "pickle refused"])
+def test_an_item_that_is_not_its_chunk_is_refused_before_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    """Found by unpickling each item without its data before the destination is touched (a
+    damaged item found halfway through the write would leave the destination created)."""
+    src = source(tmp_path)
+    if what == "pickle refused":
+        buf = io.BytesIO()
+        torch.save(torch.zeros(4), buf)
+        data = bytearray(buf.getvalue())
+        at = data.index(b"\x80\x02", data.index(b"data.pkl"))
+        data[at + 2] = 0xFF  # an opcode weights_only refuses
+        _replace_item(src, "w", None, bytes(data))
+    else:
+        value = {"other shape": torch.zeros(2, 2), "other dtype": torch.zeros(4, dtype=torch.float64)}.get(
+            what, {"w": torch.zeros(4)}
+        )
+        _replace_item(src, "w", value)
+    dest = tmp_path / "dest"
+    code, err, _ = run_import(src, dest, capsys=capsys)
+    if what == "pickle refused":
+        assert_refused(code, err, dest, 2, "__5_0.distcp", "'w'", "weights_only", "Unsupported operand 255")
+    else:
+        assert_refused(code, err, dest, 1, "__5_0.distcp", "'w'", "the metadata says")
 
 
 def test_a_tensor_in_two_chunks_in_two_files_imports_exactly(tmp_path: Path) -> None:

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fail(args: argparse.Namespace, exc: BaseException, code: int, hint: str) -> int:
-    message = str(exc) or type(exc).__name__
+    message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever a library's message holds
     print(f"tiercheck: {args.cmd}: {message}" + (f"; {hint}" if hint else ""), file=sys.stderr)
     if args.json:
         print(json.dumps({"error": {"type": type(exc).__name__, "message": message, "exit_code": code}}))

@@ -40,7 +40,7 @@ from ..dtypes import TORCH_DTYPES
 from ..errors import CheckpointCorruptedError, NoCheckpointError, UnsupportedStateError
 from ..state import MAX_DEPTH
 
-__all__ = ["DcpSource"]
+__all__ = ["DcpSource", "one_line", "weights_only_reason"]
 
 MAX_METADATA = 1 << 30
 """Bytes of ``.metadata`` read at most (a 1000-rank checkpoint of a 70B model has ~150 MB)."""
@@ -192,7 +192,19 @@ class DcpSource:
                 if chunk.item is not None:
                     with self._window(chunk.item) as f:
                         _check_zip(f, chunk.item.length, f"{self._where(chunk.item.path)}: item of {fqn!r}")
+                        self._probe(f, fqn, tensor, chunk)
         return files
+
+    def _probe(self, f: IO[bytes], fqn: str, spec: _Tensor, chunk: _Chunk) -> None:
+        """Unpickle the item without its data (torch >= 2.5), so that an item that is not the
+        chunk it should be is refused before anything is written, not halfway through."""
+        skip_data = getattr(torch.serialization, "skip_data", None)
+        if skip_data is None:
+            return
+        f.seek(0)
+        with skip_data():
+            value = self._torch_load(f, fqn, chunk, "meta")
+        self._check_chunk(value, fqn, spec, chunk)
 
     def _window(self, item: _Item) -> io.BufferedReader:
         fd = self._open(item.path)
@@ -233,7 +245,12 @@ class DcpSource:
         item = chunk.item
         assert item is not None
         with self._window(item) as f:
-            value = self._torch_load(f, fqn, item)
+            value = self._torch_load(f, fqn, chunk)
+        return self._check_chunk(value, fqn, spec, chunk)
+
+    def _check_chunk(self, value: object, fqn: str, spec: _Tensor, chunk: _Chunk) -> torch.Tensor:
+        item = chunk.item
+        assert item is not None
         if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype or tuple(value.shape) != chunk.sizes:
             got = (
                 f"a {value.dtype} tensor of shape {list(value.shape)}"
@@ -246,14 +263,33 @@ class DcpSource:
             )
         return value
 
-    def _torch_load(self, f: IO[bytes], fqn: str, item: _Item) -> Any:
+    def _torch_load(self, f: IO[bytes], fqn: str, of: _Item | _Chunk, device: str = "cpu") -> Any:
+        item = of.item if isinstance(of, _Chunk) else of
+        assert item is not None
         where = f"{self._where(item.path)}: item of {fqn!r} at byte {item.offset}"
         try:
-            return torch.load(f, map_location="cpu", weights_only=True)
+            return torch.load(f, map_location=device, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise UnsupportedStateError(f"{where}: torch.load(weights_only=True) refused it: {exc}") from None
+            raise UnsupportedStateError(
+                f"{where}: torch.load(weights_only=True) refused it: {weights_only_reason(exc)}"
+            ) from None
         except Exception as exc:
-            raise CheckpointCorruptedError(f"{where}: not a readable torch.save item: {exc}") from None
+            raise CheckpointCorruptedError(f"{where}: not a readable torch.save item: {one_line(exc)}") from None
+
+
+def one_line(exc: BaseException) -> str:
+    """`exc`'s message on one line (torch's run over several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def weights_only_reason(exc: BaseException) -> str:
+    """What ``torch.load(weights_only=True)`` refused, without its paragraphs of advice."""
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        reason = text.split(marker, 1)[1].strip().split("\n\n", 1)[0]
+        return one_line(ValueError(reason))
+    return one_line(exc)
 
 
 def _kind(mode: int) -> str:

@@ -15,8 +15,9 @@ Peak memory, beyond the chunk (benchmarks/export_memory.py has the measurements)
   mapping once written (Linux), so they do not pile up in the process's memory. A tensor
   that is not contiguous is copied whole first. Legacy (non-zip) `torch.save` files cannot
   be mapped: they are read whole, so an import of one needs the file's size in memory;
-- DCP directories: tensors are loaded one at a time by DCP's own reader, which holds a
-  tensor about three times while it reads it.
+- DCP directories: checked whole first (`dcp_source`, as a hostile input: DCP's own reader
+  opens any path its metadata names); then tensors are read one at a time, each chunk with
+  ``torch.load(weights_only=True)`` (a tensor in several chunks: the tensor and one chunk).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..errors import (
 from ..options import open_default_tier
 from ..progress import ProgressCallback
 from ..state import MAX_DEPTH, flatten_state
-from .dcp_source import DcpSource
+from .dcp_source import DcpSource, one_line, weights_only_reason
 from .step_writer import BLOCK, Chunk, memory_chunks, write_step
 from .to_safetensors import MAX_HEADER, SAFETENSORS_DTYPES
 
@@ -334,12 +335,13 @@ def _read_torch(src: str, path: str, sources: _Sources) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsupportedStateError(
-            f"{src}: torch.load(weights_only=True) refused it (tiercheck never unpickles code): {exc}"
+            f"{src}: torch.load(weights_only=True) refused it (tiercheck never unpickles code): "
+            f"{weights_only_reason(exc)}"
         ) from None
     except FileNotFoundError:
         raise NoCheckpointError(f"{src}: no such file") from None
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointCorruptedError(f"{src}: not a readable torch.save file: {exc}") from None
+    except Exception as exc:  # a damaged zip or pickle raises many kinds of error
+        raise CheckpointCorruptedError(f"{src}: not a readable torch.save file: {one_line(exc)}") from None
     if _native_byte_order(path):
         sources.release = _MappedPages.of(path)
     return state
