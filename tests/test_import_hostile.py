@@ -333,6 +333,7 @@ WRONG: dict[str, Callable[[Metadata], None]] = {
     "dtype a str": lambda m: _set(m.state_dict_metadata["w"].properties, "dtype", "float32"),
     "size of floats": lambda m: _set(m.state_dict_metadata["w"], "size", (4.0,)),
     "size a str": lambda m: _set(m.state_dict_metadata["w"], "size", "4"),
+    "size beyond int64": lambda m: _set(m.state_dict_metadata["w"], "size", (1 << 70,)),
     "chunks a str": lambda m: _set(m.state_dict_metadata["w"], "chunks", "abc"),
     "chunk offsets short": lambda m: _set(m.state_dict_metadata["w"].chunks[0], "offsets", torch.Size([])),
     "chunk outside": lambda m: _set(m.state_dict_metadata["w"].chunks[0], "offsets", torch.Size([3])),

@@ -414,8 +414,11 @@ def _field(obj: object, name: str, where: str) -> Any:
 
 
 def _ints(value: object, where: str) -> tuple[int, ...]:
-    if type(value) not in (torch.Size, tuple, list) or not all(type(x) is int and x >= 0 for x in value):  # type: ignore[attr-defined]
-        raise CheckpointCorruptedError(f"{where}: {_show(value)}, not a list of non-negative ints")
+    if type(value) not in (torch.Size, tuple, list) or not all(
+        type(x) is int and 0 <= x < 1 << 63
+        for x in value  # type: ignore[attr-defined]
+    ):
+        raise CheckpointCorruptedError(f"{where}: {_show(value)}, not a list of non-negative int64s")
     return tuple(value)  # type: ignore[arg-type]
 
 
