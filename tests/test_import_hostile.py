@@ -60,7 +60,19 @@ def read_meta(path: Path) -> Metadata:
 
 
 def write_meta(path: Path, meta: object) -> None:
-    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))  # for the field nested 5,000 deep
+    try:
+        (path / ".metadata").write_bytes(pickle.dumps(meta))
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 def entry(meta: Metadata, fqn: str) -> tuple[MetadataIndex, _StorageInfo]:
@@ -352,6 +364,8 @@ WRONG: dict[str, Callable[[Metadata], None]] = {
     "planner path twice": lambda m: m.planner_data.__setitem__("w", ("lst", 0)),
     "planner str into a list": lambda m: m.planner_data.__setitem__("w", ("lst", "x")),
     "planner path deep": lambda m: m.planner_data.__setitem__("w", ("w",) * 100_000),
+    "planner key nested deep": lambda m: m.planner_data.__setitem__("w", (nested(5_000),)),
+    "chunks nested deep": lambda m: _set(m.state_dict_metadata["w"], "chunks", [nested(5_000)]),
     "a list, not Metadata": lambda m: None,
 }
 

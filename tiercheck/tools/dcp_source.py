@@ -28,6 +28,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import reprlib
 import stat
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -423,8 +424,12 @@ def _ints(value: object, where: str) -> tuple[int, ...]:
 
 
 def _show(value: object) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+    text = _REPR.repr(value)  # bounded in depth and length: a field may be a list nested 10**5 deep
+    return f"{type(value).__name__} {text}"
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
 
 @dataclass
