@@ -313,7 +313,7 @@ def random_bits(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator
 
 
 def test_batched_copy_is_bit_exact_for_every_dtype_and_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(staging, "_BATCH_LEAVES", 7)  # many batches, with ragged ends
+    monkeypatch.setattr(staging, "_BATCH_BYTES", 1000)  # many batches, with ragged ends
     gen = torch.Generator().manual_seed(3)
     state: dict[str, torch.Tensor] = {}
     for dtype in DTYPES:
@@ -368,7 +368,8 @@ def test_a_corrupted_small_leaf_is_named(tmp_path: Path) -> None:
         f.seek(321 * 4096 + 5)
         f.write(bytes([byte[0] ^ 0x40]))
     target = {k: torch.zeros(64) for k in state}
-    with tiercheck.Checkpointer(local=tmp_path) as ckpt, pytest.raises(
-        tiercheck.CheckpointCorruptedError, match=r"checksum mismatch for state\['p321'\]"
+    with (
+        tiercheck.Checkpointer(local=tmp_path) as ckpt,
+        pytest.raises(tiercheck.CheckpointCorruptedError, match=r"checksum mismatch for state\['p321'\]"),
     ):
         ckpt.restore(target, step=1)

@@ -145,9 +145,10 @@ def needs_pinned(sources: Sequence[object]) -> bool:
     return any(isinstance(s, torch.Tensor) and s.device.type == "cuda" for s in sources)
 
 
-# Copies per torch._foreach_copy_ call, and bytes: small enough that a deferred copy checks
-# the version counters soon after each tensor's copy, large enough that the per-call cost
-# vanishes (one call replaces this many Python-level copy_ calls).
+# Copies per torch._foreach_copy_ call of a deferred copy, and bytes per call: small enough
+# that a deferred copy checks the version counters soon after each tensor's copy, large
+# enough that the per-call cost vanishes. A copy before save() returns is bounded by bytes
+# only: between two calls a writer thread may take the GIL for a switch interval (5 ms).
 _BATCH_LEAVES = 1024
 _BATCH_BYTES = 64 << 20
 
@@ -167,11 +168,11 @@ class _Group:
     all_sources: bool = False  # cpu == range(len(sources)): no gathering needed
 
 
-def _batches(leaves: Sequence[Leaf], idx: list[int]) -> list[tuple[int, int]]:
+def _batches(leaves: Sequence[Leaf], idx: list[int], max_leaves: int) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     start, nbytes = 0, 0
     for j, i in enumerate(idx):
-        if j > start and (j - start >= _BATCH_LEAVES or nbytes + leaves[i].nbytes > _BATCH_BYTES):
+        if j > start and (j - start >= max_leaves or nbytes + leaves[i].nbytes > _BATCH_BYTES):
             out.append((start, j))
             start, nbytes = j, 0
         nbytes += leaves[i].nbytes
@@ -202,9 +203,10 @@ def _build_layout(buf: HostBuffer, flat: FlatState, plan: ShardPlan) -> dict[boo
             else:
                 g.cpu.append(i)
                 g.cpu_dst.append(dst)
-    for g in groups.values():
-        g.cpu_batches = _batches(flat.leaves, g.cpu)
-        g.cuda_batches = _batches(flat.leaves, g.cuda)
+    for key, g in groups.items():
+        max_leaves = _BATCH_LEAVES if key is True else len(flat.leaves)
+        g.cpu_batches = _batches(flat.leaves, g.cpu, max_leaves)
+        g.cuda_batches = _batches(flat.leaves, g.cuda, max_leaves)
         g.all_sources = g.cpu == list(range(len(flat.sources)))
     return groups
 
@@ -238,7 +240,7 @@ def stage_into(
     only the others, None all of them. `progress`, for a full copy, is advanced to the
     whole buffer once the copy is done (see `StageProgress` for why not leaf by leaf).
 
-    Tensors are copied with ``torch._foreach_copy_`` in batches (`_BATCH_LEAVES`), into
+    Tensors are copied with ``torch._foreach_copy_`` in batches (`_BATCH_BYTES`), into
     views built once per structure (`layout_for`): a state of many small tensors costs one
     call per batch, not one per tensor. Each copy is a ``copy_`` between tensors of the same
     dtype and shape, so bit-exact for every dtype; non-contiguous sources are read through
