@@ -261,3 +261,18 @@ def test_automatic_restore_moves_to_a_newer_step_when_the_newest_is_pruned_while
 def test_load_of_a_step_pruned_while_read(job):
     with pytest.raises(tiercheck.StepPrunedError):
         tiercheck.load(reader(job, 1), step=1)
+
+
+def test_upload_skips_a_step_pruned_while_it_was_copied(job, tmp_path):
+    from tiercheck.tools.upload import upload_tier_steps
+
+    remote = open_tier(tmp_path / "remote")
+    tier = reader(job, 1)
+    result = upload_tier_steps(tier, remote)
+    assert tier.fired.is_set()
+    assert 1 in result.pruned and 1 not in result.copied
+    assert 3 in result.copied
+    assert 1 not in remote.committed_steps()
+    for s in result.copied:  # what was copied is the job's step, bit-exact from tier 2 alone
+        got = tiercheck.load(tmp_path / "remote", step=s)
+        assert torch.equal(got["w"], state(s)["w"]) and got["step"] == s

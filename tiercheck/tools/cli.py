@@ -200,10 +200,13 @@ def _upload(args: argparse.Namespace) -> tuple[Any, str]:
         "remote": result.remote,
         "copied": list(result.copied),
         "present": list(result.present),
+        "pruned": list(result.pruned),
         "bytes": result.bytes,
     }
     text = f"copied {_steps(result.copied)} ({format_bytes(result.bytes)}) to {result.remote}"
-    text += f"; already there: {_steps(result.present)}\n" if result.present else "\n"
+    text += f"; already there: {_steps(result.present)}" if result.present else ""
+    text += f"; pruned on tier 1 while read, not copied: {_steps(result.pruned)}" if result.pruned else ""
+    text += "\n"
     return doc, text
 
 

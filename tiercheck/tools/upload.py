@@ -10,7 +10,9 @@ streamed to tier 2 while every entry's checksum is computed on the bytes as they
 a mismatch stops the upload of that file before it completes; the manifests follow, and the
 commit marker last, so tier 2 lists the step only once everything is there. A damaged step
 is refused (`CheckpointCorruptedError`, naming the step and the file) and nothing of it is
-left on tier 2. Tier 1 is only read.
+left on tier 2. A step that a running job's retention deletes while it is copied is skipped
+and reported as pruned (`UploadResult.pruned`), not as damaged: after a failed read the
+marker is read again (`catalog.reading_committed`). Tier 1 is only read.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import layout
-from ..catalog import MAX_MARKER_BYTES, read_manifest_with_bytes, read_marker
+from ..catalog import MAX_MARKER_BYTES, read_manifest_with_bytes, read_marker, reading_committed
 from ..checksum import checksum_stream, feed_regions
-from ..errors import CheckpointCorruptedError, NoCheckpointError
+from ..errors import CheckpointCorruptedError, NoCheckpointError, StepPrunedError
 from ..manifest import Manifest
 from ..progress import ProgressCallback
 from ..tiers.base import StepWriter, Tier
@@ -32,7 +34,7 @@ from ..tiers.local import LocalTier
 from .step_writer import BLOCK
 from .view import tier_at
 
-__all__ = ["UploadResult", "upload_steps"]
+__all__ = ["UploadResult", "upload_steps", "upload_tier_steps"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,8 @@ class UploadResult:
         copied: steps copied to `remote`, ascending.
         present: steps asked for (or committed on `local`) that `remote` already had.
         bytes: bytes copied (shards, manifests and markers).
+        pruned: steps deleted on `local` (a job's retention) while they were read: not
+            copied, nothing of them left on `remote`, and not damaged.
     """
 
     local: str
@@ -50,6 +54,7 @@ class UploadResult:
     copied: tuple[int, ...]
     present: tuple[int, ...]
     bytes: int
+    pruned: tuple[int, ...] = ()
 
 
 def upload_steps(
@@ -81,19 +86,31 @@ def upload_steps(
     Example:
         >>> upload_steps("ckpt/run7", "s3://bucket/run7")   # doctest: +SKIP
     """
-    src = LocalTier(local)
-    dst = tier_at(remote, storage_options)
+    return upload_tier_steps(LocalTier(local), tier_at(remote, storage_options), step=step, progress=progress)
+
+
+def upload_tier_steps(
+    src: Tier, dst: Tier, *, step: int | None = None, progress: ProgressCallback | None = None
+) -> UploadResult:
+    """`upload_steps` between two tiers (`src` is read only): what the command runs."""
     on_local = src.committed_steps()
     on_remote = set(dst.committed_steps())
     if step is not None:
         if step not in on_local:
-            raise NoCheckpointError(f"step {step} is not committed in {src.root} (committed there: {on_local})")
+            raise NoCheckpointError(f"step {step} is not committed in {src.location} (committed there: {on_local})")
         wanted = [step]
     else:
         wanted = on_local
     todo = [s for s in wanted if s not in on_remote]
     present = tuple(s for s in wanted if s in on_remote)
-    plans = [_plan(src, s) for s in todo]  # every marker and manifest checked before any byte moves
+    pruned: list[int] = []
+    plans: list[_StepPlan] = []
+    for s in todo:  # every marker and manifest checked before any byte moves
+        try:
+            with reading_committed(src, s):
+                plans.append(_plan(src, s))
+        except StepPrunedError:
+            pruned.append(s)
     total = sum(p.nbytes for p in plans)
     done = 0
     if progress is not None:
@@ -105,9 +122,23 @@ def upload_steps(
         if progress is not None:
             progress(done, total)
 
+    copied: list[int] = []
     for plan in plans:
-        _copy(src, dst, plan, advance)
-    return UploadResult(str(src.location), os.fspath(remote), tuple(todo), present, total)
+        try:
+            with reading_committed(src, plan.step):
+                _copy(src, dst, plan, advance)
+        except StepPrunedError:  # its partial upload was aborted: tier 2 holds nothing of it
+            pruned.append(plan.step)
+        else:
+            copied.append(plan.step)
+    return UploadResult(
+        str(src.location),
+        str(dst.location),
+        tuple(copied),
+        present,
+        sum(p.nbytes for p in plans if p.step in copied),
+        tuple(sorted(pruned)),
+    )
 
 
 @dataclass(frozen=True, slots=True)
