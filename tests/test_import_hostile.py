@@ -490,3 +490,43 @@ def test_a_hostile_safetensors_header_is_one_line(
     code, err, elapsed = run_import(src, dest, "--format", "safetensors", capsys=capsys)
     assert_refused(code, err, dest, 1, str(src))
     assert elapsed < TIME_LIMIT
+
+
+# ------------------------------------------------------------------ damaged bytes, and what a failure leaves
+
+
+def _flip_tensor_byte(src: Path, fqn: str) -> None:
+    """Flip one byte of `fqn`'s tensor data inside its item (the zip record, not its header)."""
+    _, info = entry(read_meta(src), fqn)
+    path = src / info.relative_path
+    data = bytearray(path.read_bytes())
+    item = bytes(data[info.offset : info.offset + info.length])
+    with zipfile.ZipFile(io.BytesIO(item)) as z:
+        [rec] = [i for i in z.infolist() if "/data/" in i.filename]
+        start = rec.header_offset + 30 + len(rec.filename.encode()) + len(rec.extra)
+    data[info.offset + start + rec.file_size // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_dcp_tensor_is_refused_and_leaves_no_destination(tmp_path: Path, capsys) -> None:
+    src = save_dcp(tmp_path / "src", {"w": torch.arange(50_000, dtype=torch.float32)})
+    _flip_tensor_byte(src, "w")
+    dest = tmp_path / "dest"
+    code, err, _ = run_import(src, dest, capsys=capsys)
+    # found while the step is written (torch.load never checks the zip's CRC-32): the
+    # aborted step, its lock file and the directory the import created are all gone
+    assert_refused(code, err, dest, 1, "CRC-32", "'w'")
+
+
+def test_a_failed_import_into_an_existing_checkpoint_leaves_it_as_it_was(tmp_path: Path, capsys) -> None:
+    dest = tmp_path / "dest"
+    good = save_dcp(tmp_path / "good", {"w": torch.full((8,), 3.0)})
+    assert main(["import", str(good), str(dest), "--step", "0"]) == 0
+    before = sorted((p.relative_to(dest), p.stat().st_size) for p in dest.rglob("*"))
+    src = save_dcp(tmp_path / "src", {"w": torch.arange(50_000, dtype=torch.float32)})
+    _flip_tensor_byte(src, "w")
+    capsys.readouterr()
+    code, err, _ = run_import(src, dest, capsys=capsys)
+    assert code == 1 and "CRC-32" in err, err
+    assert sorted((p.relative_to(dest), p.stat().st_size) for p in dest.rglob("*")) == before
+    assert torch.equal(tiercheck.load(dest)["w"], torch.full((8,), 3.0))

@@ -246,6 +246,7 @@ class DcpSource:
         item = chunk.item
         assert item is not None
         with self._window(item) as f:
+            _check_crc(f, f"{self._where(item.path)}: item of {fqn!r} at byte {item.offset}")
             value = self._torch_load(f, fqn, chunk)
         return self._check_chunk(value, fqn, spec, chunk)
 
@@ -361,6 +362,24 @@ def _check_zip(f: io.BufferedReader, length: int, where: str) -> None:
         total += info.file_size
     if total > length:
         raise CheckpointCorruptedError(f"{where}: its records claim {total} bytes, the item has {length}")
+
+
+def _check_crc(f: io.BufferedReader, where: str) -> None:
+    """Every record of the item against the CRC-32 its zip directory holds, streamed (1 MiB at a
+    time), then `f` back at its start. torch.save writes the CRCs and torch.load never checks
+    them (nor does DCP, which has no checksums of its own), so without this a flipped byte in
+    the source would be imported, checksummed and committed as if it were the saved value."""
+    try:
+        with zipfile.ZipFile(f) as z:
+            for info in z.infolist():
+                if info.CRC == 0 and info.file_size > 0:  # written without CRCs (set_crc32_options(False))
+                    continue
+                with z.open(info) as r:
+                    while r.read(1 << 20):
+                        pass
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise CheckpointCorruptedError(f"{where}: damaged: {exc}") from None
+    f.seek(0)
 
 
 # ------------------------------------------------------------------ the metadata

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .. import layout
 from ..dtypes import TORCH_DTYPES
 from ..errors import (
     CheckpointCorruptedError,
@@ -49,6 +50,7 @@ from ..errors import (
 from ..options import open_default_tier
 from ..progress import ProgressCallback
 from ..state import MAX_DEPTH, flatten_state
+from ..tiers.local import LocalTier
 from .dcp_source import DcpSource, one_line, weights_only_reason
 from .step_writer import BLOCK, Chunk, memory_chunks, write_step
 from .to_safetensors import MAX_HEADER, SAFETENSORS_DTYPES
@@ -228,6 +230,8 @@ def _commit(
     # As a Checkpointer's first save: the one writer of the directory (a running job's
     # Checkpointer holds it: DirectoryInUseError), its leftovers swept.
     locks = tier.capabilities.writer_lock
+    root = tier.root if isinstance(tier, LocalTier) else None
+    created = root is not None and not os.path.lexists(root)
     if locks:
         tier.claim_writer(0, 1)
     try:
@@ -238,10 +242,29 @@ def _commit(
                 f"({tier.path_of(committed[-1])}); steps must increase, choose a step after {committed[-1]}"
             )
         write_step(tier, step, flat, lambda i: sources.chunks(flat.sources[i]), progress=progress)
-    finally:
+    except BaseException:
         if locks:
             tier.release_writer()
+        if created and root is not None:
+            _remove_created(root)
+        raise
+    if locks:
+        tier.release_writer()
     return ImportResult(src, fmt, loc, step, tensors, nbytes, keys)
+
+
+def _remove_created(root: str) -> None:
+    """Remove the directory a failed import created (its step was aborted): its lock file,
+    if it is still the regular, unlinked file the import made, then the directory if nothing
+    else is in it. Nothing else is touched, so a file someone put there meanwhile stays."""
+    lock = os.path.join(root, layout.lock_name(0))
+    try:
+        st = os.lstat(lock)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            os.unlink(lock)
+        os.rmdir(root)
+    except OSError:
+        pass
 
 
 class _Sources:
