@@ -188,6 +188,44 @@ def test_optimizer_over_meta_parameters_is_refused(make_ckpt):
         ckpt.restore({"opt": torch.optim.SGD(meta_model.parameters(), lr=0.1, momentum=0.9)})
 
 
+def _trained(groups: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    params = {
+        "one": [{"params": list(model.parameters())}],
+        "two": [{"params": list(model[0].parameters())}, {"params": list(model[1].parameters())}],
+        "first-layer": [{"params": list(model[0].parameters())}],
+    }[groups]
+    opt = torch.optim.Adam(params, lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("saved, live", [("one", "two"), ("two", "one"), ("one", "first-layer")])
+def test_an_optimizer_of_other_param_groups_is_refused_before_the_model_changes(make_ckpt, saved, live):
+    model, opt = _trained(saved)
+    ckpt = make_ckpt()
+    ckpt.save(1, {"model": model, "opt": opt, "n": 1}).wait()
+    other_model, other_opt = _trained(live)
+    with torch.no_grad():
+        for p in other_model.parameters():
+            p.mul_(-3.0)  # differs from the checkpoint's, so a partial restore would show
+    before = {k: v.clone() for k, v in other_model.state_dict().items()}
+    opt_before = other_opt.state_dict()
+    template = {"model": other_model, "opt": other_opt, "n": 0}
+    with pytest.raises(tiercheck.StateMismatchError, match=r"state\['opt'\]\['param_groups'\].*nothing was restored"):
+        ckpt.restore(template, step=1)
+    for k, v in other_model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    after = other_opt.state_dict()
+    assert after["param_groups"] == opt_before["param_groups"]
+    for i, st in opt_before["state"].items():
+        for name, t in st.items():
+            assert torch.equal(after["state"][i][name], t), (i, name)
+    assert template["n"] == 0
+
+
 def test_module_dtype_change_is_an_error_not_a_silent_cast(make_ckpt):
     ckpt = make_ckpt()
     ckpt.save(1, {"model": nn.Linear(2, 2)}).wait()

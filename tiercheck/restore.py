@@ -330,6 +330,7 @@ class _Binder:
                 raise self._mismatch(path, f"{type(tmpl).__name__}.state_dict() raised {exc!r}") from exc
             if isinstance(tmpl, torch.optim.Optimizer):
                 sub = _Mode(fill=False, cast=True)
+                self._check_param_groups(tmpl, children.get("param_groups"), path)
                 if any(p.device.type == "meta" for g in tmpl.param_groups for p in g["params"]):
                     raise self._mismatch(
                         path,
@@ -355,6 +356,31 @@ class _Binder:
             return tmpl
 
         return load
+
+    def _check_param_groups(self, opt: torch.optim.Optimizer, node: JsonNode | None, path: str) -> None:
+        """What `Optimizer.load_state_dict` refuses (another number of parameter groups, or of
+        parameters in a group), refused here, while binding: its own refusal comes after the
+        read, when the model's tensors, filled in place, already hold the checkpoint's."""
+        if node is None or node.get("t") not in ("list", "tuple"):
+            return  # not an optimizer's state dict as saved: load_state_dict says what is wrong
+        groups: list[JsonNode] = node["v"]
+        where = key_path(path, "param_groups")
+        if len(groups) != len(opt.param_groups):
+            raise self._mismatch(
+                where,
+                f"the optimizer has {len(opt.param_groups)} parameter groups, the checkpoint {len(groups)}; "
+                "nothing was restored",
+            )
+        for i, (group, mine) in enumerate(zip(groups, opt.param_groups, strict=True)):
+            if group.get("t") != "dict":
+                continue
+            params = dict(zip((decode_key(k) for k in group["k"]), group["v"], strict=True)).get("params")
+            if params is not None and params.get("t") in ("list", "tuple") and len(params["v"]) != len(mine["params"]):
+                raise self._mismatch(
+                    key_path(where, i),
+                    f"the optimizer's group {i} has {len(mine['params'])} parameters, the checkpoint's "
+                    f"{len(params['v'])}; nothing was restored",
+                )
 
     def _sequence(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
         """Lists and tuples take the checkpoint's value whatever the template held; a
