@@ -42,6 +42,7 @@ changes a dtype or converts a value.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -326,9 +327,7 @@ class _Template:
         aliased = {i for i, lf in enumerate(flat.leaves) if lf.alias_of is not None}
         aliased |= {lf.alias_of for lf in flat.leaves if lf.alias_of is not None}
         self.bits = [
-            (j, t.is_conj(), t.is_neg())
-            for j, (i, t) in enumerate(zip(pos, tensors, strict=True))
-            if i in aliased
+            (j, t.is_conj(), t.is_neg()) for j, (i, t) in enumerate(zip(pos, tensors, strict=True)) if i in aliased
         ]
         self.flat = FlatState(  # the parts that depend on the structure only: no tensor is held
             tree={},
@@ -413,7 +412,7 @@ class StructureCache:
         """
         template = self._template
         if template is not None:
-            flat = template.match(state)
+            flat = _without_gc(template.match, state)
             if flat is not None:
                 self.hits += 1
                 return flat
@@ -425,6 +424,21 @@ class StructureCache:
 
     def clear(self) -> None:
         self._template = None
+
+
+def _without_gc(match: Callable[[object], FlatState | None], state: object) -> FlatState | None:
+    """`match(state)` with the cyclic garbage collector paused: the check holds a shape and a
+    stride tuple per tensor at once, enough allocations to set off a full collection,
+    which traverses every live tensor (0.4 s at 20,000 leaves, every other save, measured
+    beside a model of 5,000 parameters). The check's objects die with the lists holding
+    them, before the collector would see them, so the pause defers no work."""
+    if not gc.isenabled():
+        return match(state)
+    gc.disable()
+    try:
+        return match(state)
+    finally:
+        gc.enable()
 
 
 def _build(state: Mapping[Any, Any], flat: FlatState, inner: list[Mapping[Any, Any]]) -> _Template | None:
