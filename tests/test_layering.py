@@ -40,6 +40,7 @@ LAYERS: list[set[str]] = [
         "tiers.multipart",
         "tiers.open",
         "tiers.copy",
+        "tiers.codec",
         "throttle",
         "retry",
         "priority",

@@ -27,7 +27,7 @@ from .. import layout
 from ..errors import CheckpointCorruptedError, InvalidArgumentError, TierError
 from ..retry import RetryPolicy
 from ..throttle import RateLimiter
-from . import multipart
+from . import codec, multipart
 from .base import Capabilities, ReadableFile, StepWriter, Tier
 
 T = TypeVar("T")
@@ -353,11 +353,6 @@ class RemoteTier(Tier):
 
     # -- writing ---------------------------------------------------------------------
 
-    def _compressor(self) -> Any:
-        import zstandard
-
-        return zstandard.ZstdCompressor(level=self.compression_level).compressobj()
-
     def _part_size(self, nbytes: int) -> int:
         assert self._parts is not None
         return multipart.part_size_for(nbytes, self.block_size, self.concurrency, self._parts.limits)
@@ -377,14 +372,6 @@ class RemoteTier(Tier):
             self.live_uploads,
         )
 
-    def _compressed(self, chunks: Iterator[bytes | memoryview]) -> Iterator[bytes | memoryview]:
-        cobj = self._compressor()
-        for chunk in chunks:
-            out = cobj.compress(chunk)
-            if out:
-                yield out
-        yield cobj.flush()
-
     def put_chunks(
         self, path: str, chunks: Callable[[], Iterator[bytes | memoryview]], compress: bool, nbytes: int
     ) -> int:
@@ -396,13 +383,13 @@ class RemoteTier(Tier):
             bound = nbytes + (nbytes >> 10) + (64 << 10) if compress else nbytes  # zstd may grow a little
             part = self._part_size(bound)
             if bound > part:
-                stream = self._compressed(chunks()) if compress else chunks()
+                stream = codec.compressed(chunks(), self.compression_level) if compress else chunks()
                 return self._upload_parts(path, multipart.ChunkSource(stream), part)
 
         def put() -> int:
             self._bound_writes()
             stored = 0
-            cobj = self._compressor() if compress else None
+            cobj = codec.compressor(self.compression_level) if compress else None
             with self.fs.open(path, "wb", block_size=self.block_size) as f:
                 for chunk in chunks():
                     out = cobj.compress(chunk) if cobj is not None else chunk
