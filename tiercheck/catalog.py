@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from . import layout
 from .checksum import ALGORITHMS, checksum_function, checksum_stream, feed_regions
 from .errors import CheckpointCorruptedError, NoCheckpointError, StepPrunedError
-from .manifest import MAX_MANIFEST_BYTES, Manifest, Marker, decode_manifest, decode_marker
+from .manifest import MAX_MANIFEST_BYTES, Manifest, Marker, decode_key, decode_manifest, decode_marker
 from .progress import ProgressCallback
+from .state import JsonNode
 from .tiers.base import ReadableFile, Tier
 from .tiers.codec import ZstdFile
 
@@ -24,6 +25,7 @@ __all__ = [
     "MAX_MARKER_BYTES",
     "READ_CHUNK",
     "MissingManifestError",
+    "ReplicaResolver",
     "ZstdFile",
     "list_committed",
     "present_manifests",
@@ -92,6 +94,48 @@ def read_manifest(
     """Read and verify one rank's manifest of `step` against the commit marker (`guessed`:
     bytes `read_marker_and_guess` fetched, used if they match the marker)."""
     return read_manifest_with_bytes(tier, step, rank, marker, guessed)[1]
+
+
+class ReplicaResolver:
+    """The one rule for a replica node, which every reader applies (restore, `load`, the
+    tools): the rank it points at reads and verifies, lists the key as replicated, and holds
+    the value itself. Anything else is corruption naming that rank's manifest and the key.
+
+    `manifests` (rank -> manifest, the reading rank's included) is shared with the caller:
+    each owner's manifest is read once, on first reference, and added to it.
+    """
+
+    def __init__(self, tier: Tier, step: int, marker: Marker, manifests: dict[int, Manifest]) -> None:
+        self._tier = tier
+        self._step = step
+        self._marker = marker
+        self.manifests = manifests
+        self._held: dict[int, dict[tuple[str, ...], JsonNode]] = {}
+
+    def resolve(self, key: Sequence[str], owner_rank: int, referrer: int) -> tuple[Manifest, JsonNode]:
+        """The owner's manifest and its node for the top-level `key` rank `referrer` refers to it for."""
+        if owner_rank not in self._held:
+            if owner_rank not in self.manifests:
+                self.manifests[owner_rank] = read_manifest(self._tier, self._step, owner_rank, self._marker)
+            self._held[owner_rank] = _held_replicated(self.manifests[owner_rank])
+        owner = self.manifests[owner_rank]
+        node = self._held[owner_rank].get(tuple(key))
+        if node is None:
+            where = self._tier.path_of(self._step, layout.manifest_name(owner.rank, owner.world_size))
+            raise CheckpointCorruptedError(
+                f"{where}: does not hold the replicated key {decode_key(list(key))!r} that rank {referrer} refers to"
+            )
+        return owner, node
+
+
+def _held_replicated(owner: Manifest) -> dict[tuple[str, ...], JsonNode]:
+    """The owner's top-level values it lists as replicated and holds itself (not a replica)."""
+    listed = set(owner.replicated)
+    return {
+        tuple(k): v
+        for k, v in zip(owner.tree["k"], owner.tree["v"], strict=True)
+        if tuple(k) in listed and v["t"] != "replica"
+    }
 
 
 def read_manifest_with_bytes(

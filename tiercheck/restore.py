@@ -16,11 +16,10 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from . import layout
 from .agreement import RestoreAgreement
 from .catalog import (
     READ_CHUNK,
-    ZstdFile,
+    ReplicaResolver,
     first_present_manifest,
     list_committed,
     read_manifest,
@@ -38,8 +37,9 @@ from .manifest import (
     decode_key,
 )
 from .progress import ProgressCallback, part_of
-from .state import ROOT, JsonNode, decode_float, dtensor_local, is_stateful, key_path
+from .state import ROOT, JsonNode, decode_plain, dtensor_local, is_stateful, key_path
 from .tiers.base import ReadableFile, Tier
+from .tiers.codec import ZstdFile
 
 Producer = Callable[[], object]
 _Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
@@ -110,7 +110,7 @@ class _Binder:
             return self._mapping(tmpl, node["v"], path, mode)
         if t in ("list", "tuple"):
             return self._sequence(tmpl, node, path, mode)
-        value = _plain(node)
+        value = decode_plain(node)
         if mode.fill:
             self._refuse_conflict(tmpl, path, t)
         return lambda: value
@@ -539,19 +539,6 @@ def _bytes_of(arr: np.ndarray[Any, Any]) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
-def _plain(node: JsonNode) -> object:
-    t = node["t"]
-    if t == "none":
-        return None
-    if t == "bool":
-        return node["v"]
-    if t == "int":
-        return int(node["v"])
-    if t == "float":
-        return decode_float(node["v"])
-    return node["v"]  # str
-
-
 # ------------------------------------------------------------------- reading a step
 
 
@@ -602,23 +589,15 @@ def prepare_step(
         tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)
     binder = _Binder(manifest, step)
     manifests = {manifest.rank: manifest}
-    owned: dict[int, tuple[_Binder, dict[tuple[str, ...], JsonNode], set[tuple[str, str]]]] = {}
+    replicas = ReplicaResolver(tier, step, marker, manifests)
+    owners: dict[int, _Binder] = {}
     for k, node in zip(tree["k"], tree["v"], strict=True):
         if node["t"] != "replica" or (isinstance(template, Mapping) and decode_key(k) not in template):
             continue
-        if node["r"] not in owned:  # each owner's manifest read and indexed once
-            owner = manifests[node["r"]] = read_manifest(tier, step, node["r"], marker)
-            index = dict(zip(map(tuple, owner.tree["k"]), owner.tree["v"], strict=True))
-            owned[node["r"]] = (_Binder(owner, step, binder), index, set(owner.replicated))
-        sub, index, replicated = owned[node["r"]]
-        owner = manifests[node["r"]]
-        target = index.get(tuple(k))
-        if target is None or target["t"] == "replica" or tuple(k) not in replicated:
-            raise CheckpointCorruptedError(
-                f"{tier.path_of(step, layout.manifest_name(owner.rank, owner.world_size))}: "
-                f"does not hold the replicated key {decode_key(k)!r} that rank {manifest.rank} refers to"
-            )
-        binder.replicas[id(node)] = (sub, target)
+        owner, target = replicas.resolve(k, node["r"], manifest.rank)
+        if owner.rank not in owners:
+            owners[owner.rank] = _Binder(owner, step, binder)
+        binder.replicas[id(node)] = (owners[owner.rank], target)
     files: dict[str, ReadableFile] = {}
     try:
         # Sizes first: the manifest's regions are validated against the sizes it declares,

@@ -102,6 +102,19 @@ def decode_float(text: str) -> float:
     return float.fromhex(text)
 
 
+def decode_plain(node: JsonNode) -> object:
+    """The value of a plain node (``none``, ``bool``, ``int``, ``float``, ``str``), as
+    `_Flattener.node` encoded it; the one decoder restore and the tools share."""
+    t = node["t"]
+    if t == "none":
+        return None
+    if t == "int":
+        return int(node["v"])
+    if t == "float":
+        return decode_float(node["v"])
+    return node["v"]  # bool, str: stored as JSON's own
+
+
 def _int_text(value: int, path: str) -> str:
     try:
         return str(value)

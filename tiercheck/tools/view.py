@@ -14,14 +14,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import layout
-from ..catalog import ZstdFile, read_manifest, read_marker, reading_committed
+from ..catalog import ReplicaResolver, read_manifest, read_marker, reading_committed
 from ..checksum import checksum_stream
 from ..errors import CheckpointCorruptedError, NoCheckpointError
 from ..manifest import Entry, Manifest, ShardFile, decode_key
 from ..progress import ProgressCallback
-from ..state import JsonNode, decode_float
+from ..state import JsonNode, decode_plain
 from ..tiers.base import ReadableFile, Tier
+from ..tiers.codec import ZstdFile
 from ..tiers.open import open_tier
 
 Key = str | int
@@ -113,21 +113,15 @@ def _read_view(tier: Tier, step: int, rank: int) -> StepView:
     marker = read_marker(tier, step)
     manifest = read_manifest(tier, step, rank, marker)
     manifests: dict[int, Manifest] = {rank: manifest}
+    replicas = ReplicaResolver(tier, step, marker, manifests)  # the rule restore applies
     children: list[Node] = []
     for k, node in zip(manifest.tree["k"], manifest.tree["v"], strict=True):
         if node["t"] != "replica":
             children.append(_node(node, manifest.entries))
             continue
-        owner_rank: int = node["r"]
-        if owner_rank not in manifests:
-            manifests[owner_rank] = read_manifest(tier, step, owner_rank, marker)
-        owner = manifests[owner_rank]
-        held = dict(zip(map(tuple, owner.tree["k"]), owner.tree["v"], strict=True)).get(tuple(k))
-        if held is None or held["t"] == "replica":
-            where = tier.path_of(step, layout.manifest_name(owner_rank, marker.world_size))
-            raise CheckpointCorruptedError(f"{where}: does not hold the key {decode_key(k)!r} rank {rank} refers to")
+        owner, held = replicas.resolve(k, node["r"], rank)
         r = _node(held, owner.entries)
-        children.append(Node(r.kind, r.keys, r.children, r.value, r.entry, owner_rank))
+        children.append(Node(r.kind, r.keys, r.children, r.value, r.entry, owner.rank))
     root = Node("dict", tuple(decode_key(k) for k in manifest.tree["k"]), tuple(children))
     files: dict[str, ShardFile] = {}
     for m in manifests.values():
@@ -150,18 +144,7 @@ def _node(node: JsonNode, entries: tuple[Entry, ...]) -> Node:
         return Node(t, inner.keys, inner.children)
     if t in ("list", "tuple"):
         return Node(t, children=tuple(_node(v, entries) for v in node["v"]))
-    return Node(t, value=plain_value(node))
-
-
-def plain_value(node: JsonNode) -> object:
-    t = node["t"]
-    if t == "none":
-        return None
-    if t == "int":
-        return int(node["v"])
-    if t == "float":
-        return decode_float(node["v"])
-    return node["v"]  # bool, str
+    return Node(t, value=decode_plain(node))
 
 
 def walk(node: Node, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Node]]:
