@@ -357,6 +357,37 @@ def preempt_one(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+@scenario
+def rollback(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Save 10, 20, 30; restore 10 and save 20 again: one rank per directory deletes the
+    abandoned 20 and 30 (through the pruner) before the new branch's 20 is written."""
+    layout = os.environ.get("MR_LAYOUT", "shared")
+    state = make_state(rank)
+    ck = tiercheck.Checkpointer(
+        **tiers(root, rank, layout), keep_local=None, replicated=("model", "optimizer"), coordination_timeout=30
+    )
+    for step in (10, 20, 30):
+        train(state, 2)
+        ck.save(step, saved_view(state)).wait()
+    ck.wait()
+    zero(state)
+    out: dict[str, Any] = {"restored_step": ck.restore(saved_view(state), step=10)}
+    train(state, 1)  # the new branch differs from the abandoned one
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.save(20, saved_view(state)).wait()
+    ck.wait()
+    out["warnings"] = [str(w.message) for w in caught]
+    out["saved"] = digest(saved_view(state))
+    out["local_steps"], out["remote_steps"] = ck.steps("local"), ck.steps("remote")
+    zero(state)
+    view = saved_view(state)
+    out["latest"] = ck.restore(view)
+    out["restored"] = digest(view)
+    ck.close()
+    return out
+
+
 def main() -> None:
     name, rank, world, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

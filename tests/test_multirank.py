@@ -374,3 +374,17 @@ def test_two_nodes_of_two_ranks_each_node_holds_a_copy_and_tier2_one(tmp_path: P
     # Tier 2: one copy, uploaded by the ranks of rank 0's node; the others' parts retargeted.
     held = owners(tmp_path / "remote" / "step-000000000030", range(world))
     assert sorted(r for v in held.values() for r in v) == [0, 1], held
+
+
+@pytest.mark.parametrize("layout", ["shared", "nodelocal"])
+def test_rollback_then_save_deletes_the_abandoned_steps_once_on_every_tier(tmp_path: Path, layout: str) -> None:
+    results, _ = run_job("rollback", 2, tmp_path, env={"MR_LAYOUT": layout})
+    for res in results:
+        assert res is not None and res["restored_step"] == 10
+        assert [w for w in res["warnings"] if "new branch" in w], res["warnings"]
+        assert res["local_steps"] == [10, 20] and res["remote_steps"] == [10, 20]
+        assert res["latest"] == 20 and res["restored"] == res["saved"]  # the new branch's 20
+    dirs = [tmp_path / "shared"] if layout == "shared" else [tmp_path / "node0", tmp_path / "node1"]
+    for d in [*dirs, tmp_path / "remote"]:
+        assert committed(d) == [10, 20]
+        assert not (d / "step-000000000030").exists()  # nothing of it left, marker or data

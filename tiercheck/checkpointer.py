@@ -674,7 +674,8 @@ class Checkpointer:
 
     def _claim_step(self, step: int) -> None:
         """Check that `step` may be saved (`steporder.claim`); on a new branch after a
-        restore, delete the abandoned steps first (one rank per directory)."""
+        restore, delete the abandoned steps first, through the pruner (one rank per
+        directory); a TierError from that leaves the branch to the next try."""
         if self._latest_known is not None:
             newest = self._latest_known  # set by this session's saves: no listing needed
             committed: list[int] = []
@@ -690,13 +691,12 @@ class Checkpointer:
             raise
         if isinstance(decision, Proceed):
             return
-        for t in self._tiers:
-            if self._group is not None and not self._group.leads(t.name):
-                continue  # one rank per directory deletes
-            on_tier = set(t.committed_steps())
-            for s in reversed(decision.stale):
-                if s in on_tier:
-                    t.delete_step(s)
+        mine = [t for t in self._tiers if self._group is None or self._group.leads(t.name)]  # one rank per directory
+        try:
+            self._pipeline.delete_branch(decision.stale, mine)
+        except TierError:
+            self._branch_point = branch_point  # a retry of the save deletes what is left
+            raise
         warnings.warn(
             f"tiercheck: step {step} starts a new branch after restored step {decision.branch_point}; "
             f"deleted the abandoned steps {list(decision.stale)}",

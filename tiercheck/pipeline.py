@@ -35,7 +35,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -400,6 +400,7 @@ class Pipeline:
         finally:
             with self._lock:
                 self._uploading = None
+                self._idle.notify_all()  # a branch deletion may wait for this upload (`delete_branch`)
                 self._catching_up.discard(item.step)
                 if error is not None:  # before the step leaves the in-flight list
                     self._owed.add(item.step)
@@ -616,6 +617,21 @@ class Pipeline:
                     if step in self._tracks or self._uploading != step:
                         raise
                 # else a catch-up upload of it started meanwhile: defer, as above
+
+    def delete_branch(self, steps: Sequence[int], tiers: list[Tier]) -> None:
+        """Delete the abandoned `steps` after a rollback from `tiers` before the new branch is
+        written (`Pruner.delete_branch`). A catch-up upload copying one of them (an earlier
+        run's step: no handle tracks it) is waited for, then the step goes from tier 2 too.
+
+        Raises:
+            TierError: a tier failed to delete one of them.
+        """
+
+        def wait_copies(doomed: set[int]) -> None:
+            with self._idle:
+                self._idle.wait_for(lambda: self._uploading not in doomed)
+
+        self._pruner.delete_branch(steps, tiers, wait_copies)
 
     def _delete_deferred(self, step: int) -> None:
         """Delete `step` (its catch-up upload just ended) from every tier this rank deletes

@@ -1,4 +1,5 @@
-"""Carrying out retention on one tier, and `Checkpointer.delete`: the deletions themselves.
+"""Carrying out retention on one tier, `Checkpointer.delete` and the abandoned branch after a
+rollback: every deletion the Checkpointer makes.
 
 What to delete is decided by `retention` (pure); this module lists, reads the metrics a
 policy ranks by, deletes (marker first: a crash midway leaves the step invisible), and
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .catalog import read_marker
 from .coordination import Group
@@ -132,6 +133,48 @@ class Pruner:
                     self.deleting.discard(step)
         if errors:
             raise errors[0]
+
+    def delete_branch(self, steps: Sequence[int], tiers: list[Tier], wait_copies: Callable[[set[int]], None]) -> None:
+        """Delete the abandoned `steps` (committed after the restored step) from `tiers`, newest
+        first and marker first, before the new branch's first step is written: a crash midway
+        leaves only older abandoned steps, and none outlives the branch for a restore to pick.
+        While they are in `deleting` no upload of them starts; `wait_copies(steps)` (called
+        without the lock) returns once none is being copied, so no upload loses its files
+        mid-copy or commits a step on tier 2 after it was deleted there.
+
+        Raises:
+            TierError: a tier failed (the first failure; on that tier the older steps stay, as
+                the newer one did; the other tiers were still tried).
+        """
+        with self._lock:
+            doomed = set(steps) - self.deleting  # a deletion of one already under way keeps its own
+            self.deleting |= doomed
+        errors: list[TierError] = []
+        try:
+            wait_copies(set(steps))
+            for tier in tiers:
+                with self._turns[tier.name]:
+                    error = self._delete_newest_first(tier, sorted(steps, reverse=True))
+                if error is not None:
+                    errors.append(error)
+        finally:
+            with self._lock:
+                self.deleting -= doomed
+        if errors:
+            raise errors[0]
+
+    def _delete_newest_first(self, tier: Tier, steps: list[int]) -> TierError | None:
+        step = steps[0] if steps else None
+        try:
+            on_tier = set(tier.committed_steps())
+            for step in steps:
+                if step in on_tier:
+                    tier.delete_step(step)
+                    with self._lock:
+                        self._metrics[tier.name].pop(step, None)
+        except Exception as exc:
+            return tier_error(exc, step, tier, "deleting abandoned")
+        return None
 
     def remember_metrics(self, tier: Tier, step: int, metrics: tuple[tuple[str, Metric], ...]) -> None:
         if self._keep[tier.name].metric_names:  # only policies ranking by a metric read them
