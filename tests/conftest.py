@@ -15,7 +15,8 @@ import tiercheck
 from tiercheck.testing import Faults, FaultyTier
 from tiercheck.tiers import open_tier
 
-pytest_plugins = ["tests.servers.plugin"]
+# tests.markers derives the procs, servers and root markers from what each test does
+pytest_plugins = ["tests.servers.plugin", "tests.markers"]
 
 
 @pytest.fixture

@@ -78,6 +78,8 @@ def _assert_clean(figures: Any, kills: int) -> None:
 # ------------------------------------------------------------------------ campaigns
 
 
+@pytest.mark.slow
+@pytest.mark.procs  # the campaign's workers come from scripts/, out of tests/markers.py's sight
 def test_sigkill_aimed_at_every_phase_of_two_tiers_never_tears_or_loses_a_step(tmp_path: Path) -> None:
     kills = int(os.environ.get("TIERCHECK_CRASH_TRIALS", "50"))
     config = campaign.Config()
@@ -90,6 +92,8 @@ def test_sigkill_aimed_at_every_phase_of_two_tiers_never_tears_or_loses_a_step(t
         assert len(hit) >= len(config.targets) - 1, figures.table(config)
 
 
+@pytest.mark.slow
+@pytest.mark.procs
 def test_sigkill_at_random_instants_on_tier_1_alone(tmp_path: Path) -> None:
     kills = int(os.environ.get("TIERCHECK_CRASH_LOCAL_TRIALS", "15"))
     config = campaign.Config(remote=False, keep_local=worker.KEEP_LOCAL, aimed=0.5, wipe_local=0.0, spawn=0.1)
@@ -159,11 +163,13 @@ def _crash_at(zygote: Any, tmp_path: Path, point: str, kill_step: int = 1) -> tu
         "remote-marker-removed",
     ],
 )
+@pytest.mark.procs
 def test_sigkill_at_an_exact_instant_then_resume(zygote: Any, tmp_path: Path, point: str) -> None:
     assert point in worker.KILL_POINTS
     _crash_at(zygote, tmp_path, point)
 
 
+@pytest.mark.procs
 def test_a_remote_deletion_cut_by_a_kill_is_finished_later(zygote: Any, tmp_path: Path) -> None:
     _, _, remote = _crash_at(zygote, tmp_path, "remote-marker-removed")
     listed = set(campaign.step_dirs(remote)[0])

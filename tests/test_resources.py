@@ -152,6 +152,7 @@ def assert_nothing_left(root: Path, tempdir: Path, before: tuple[set[str], set[i
     assert [n for n in os.listdir(root) if layout.is_leftover(n)] == []
 
 
+@pytest.mark.slow  # ~20 s
 def test_a_thousand_saves_stay_flat(tmp_path: Path, no_fsync: None, private_tempdir: Path) -> None:
     root = tmp_path / "ckpt"
     before = baseline()

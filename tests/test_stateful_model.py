@@ -412,7 +412,7 @@ TwoTierMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-test_two_tier_model = TwoTierMachine.TestCase
+test_two_tier_model = pytest.mark.slow(TwoTierMachine.TestCase)  # ~30 s: 20 runs of 25 steps
 
 
 # --------------------------------------------------------------------- known bugs
