@@ -26,7 +26,7 @@ import functools
 import inspect
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,8 @@ class _Scan(ast.NodeVisitor):
             self.facts.add("root")
         if isinstance(node.func, ast.Attribute) and node.func.attr == "getfixturevalue":
             # a fixture asked for by name at run time: its closure is resolved per item
-            self.facts.update(f"fixture:{a.value}" for a in node.args if isinstance(a, ast.Constant))
+            names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            self.facts.update(f"fixture:{n}" for n in names)
         self.generic_visit(node)
 
     def visit_arg(self, node: ast.arg) -> None:
@@ -285,7 +286,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
     outcome = yield
     if os.environ.get("TIERCHECK_AUDIT_MARKS") != "1" or call.when != "teardown" or not _started:
         return
