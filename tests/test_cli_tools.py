@@ -23,9 +23,9 @@ import tiercheck
 from tests.assertions import same
 from tiercheck import layout
 from tiercheck.__main__ import main
+from tiercheck.catalog import read_manifest, verify_files
 from tiercheck.errors import CheckpointCorruptedError, DirectoryInUseError, UnsupportedStateError
 from tiercheck.progress import terminal_bar
-from tiercheck.catalog import read_manifest, verify_files
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tools import export_step, import_step, prune_steps, remove_step
 from tiercheck.tools.prune import writers_excluded
@@ -594,13 +594,16 @@ def test_import_into_an_object_store(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 _PEAK_RSS = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, sys
     import torch, tiercheck
     import torch.distributed.checkpoint, torch.distributed.checkpoint.state_dict_loader
     from tiercheck.tools import import_step
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def peak_kib():  # this process's own peak (ru_maxrss carries the parent's across exec)
+        with open("/proc/self/status") as f:
+            return [int(line.split()[1]) for line in f if line.startswith("VmHWM:")][0]
+    before = peak_kib()
     import_step(sys.argv[1], sys.argv[2], 1)
-    print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) << 10))
+    print(json.dumps((peak_kib() - before) << 10))
     """
 )
 
