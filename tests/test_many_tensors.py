@@ -4,7 +4,6 @@ batched copy is bit-exact for every dtype and layout."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import tiercheck
+from tests.test_overlap import hold_background_copy
 from tiercheck import staging
 from tiercheck.errors import UnsupportedStateError
 from tiercheck.planner import plan_shard
@@ -258,15 +258,7 @@ def test_overlap_guard_holds_on_a_cached_structure(tmp_path: Path, monkeypatch: 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    release = threading.Event()
-    original = staging.stage_into
-
-    def held(buf, flat, plan, deferred=None, progress=None):  # type: ignore[no-untyped-def]
-        if deferred is True:
-            assert release.wait(30)
-        original(buf, flat, plan, deferred, progress)
-
-    monkeypatch.setattr("tiercheck.pipeline.stage_into", held)
+    release = hold_background_copy(monkeypatch)
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None, overlap=True) as ckpt:
         release.set()
         ckpt.save(1, {"model": model, "opt": opt}).wait()

@@ -54,7 +54,7 @@ def hold_background_copy(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
     def slow_stage(buf, flat, plan, deferred=None, progress=None):  # type: ignore[no-untyped-def]
         if deferred is True:
-            assert release.wait(10)
+            assert release.wait(60)  # generous: a busy machine
         original(buf, flat, plan, deferred, progress)
 
     monkeypatch.setattr("tiercheck.pipeline.stage_into", slow_stage)
