@@ -84,7 +84,8 @@ def dtensor_local(t: torch.Tensor, path: str) -> torch.Tensor | None:
     return local
 
 
-def _identity(p: torch.Tensor) -> tuple[torch.device, int]:
+def param_identity(p: torch.Tensor) -> tuple[torch.device, int]:
+    """A parameter by (device, data pointer), a DTensor's by its local piece's."""
     local = dtensor_local(p, "") if type(p) not in (torch.Tensor, torch.nn.Parameter) else None
     t = p if local is None else local
     return t.device, t.data_ptr()
@@ -145,7 +146,7 @@ def flatten_traced(state: Mapping[Any, Any]) -> tuple[FlatState, list[Mapping[An
         raise UnsupportedStateError(
             f"the state is nested more than {MAX_DEPTH} levels deep (or a state_dict() refers back to itself)"
         ) from None
-    guarded = {_identity(p) for opt in builder.optimizers for g in opt.param_groups for p in g["params"]}
+    guarded = {param_identity(p) for opt in builder.optimizers for g in opt.param_groups for p in g["params"]}
     deferrable = [
         in_opt or (param is not None and param in guarded)
         for in_opt, param in zip(builder.in_optimizer, builder.param_of, strict=True)
@@ -226,7 +227,7 @@ class _Flattener:
             self._on_path.add(id(value))
             is_opt = isinstance(value, torch.optim.Optimizer)
             params = (
-                {_identity(p) for p in value.parameters()} - self._params
+                {param_identity(p) for p in value.parameters()} - self._params
                 if isinstance(value, torch.nn.Module)
                 else set()
             )

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .state import FlatState, JsonNode, dtensor_local, encode_float, flatten_traced
+from .state import FlatState, JsonNode, dtensor_local, encode_float, flatten_traced, param_identity
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _stride = torch.Tensor.stride
@@ -215,16 +215,9 @@ class _Container(_Slot):
 def _param_ids(value: object) -> tuple[tuple[torch.device, int], ...]:
     """A module's parameters, or an optimizer's params, by (device, data pointer)."""
     if isinstance(value, torch.optim.Optimizer):
-        params = [p for g in value.param_groups for p in g["params"]]
-    else:
-        assert isinstance(value, torch.nn.Module)
-        params = list(value.parameters())
-    out = []
-    for p in params:
-        local = dtensor_local(p, "") if type(p) not in _PLAIN_TENSORS else None
-        t = p if local is None else local
-        out.append((t.device, t.data_ptr()))
-    return tuple(out)
+        return tuple(param_identity(p) for g in value.param_groups for p in g["params"])
+    assert isinstance(value, torch.nn.Module)
+    return tuple(map(param_identity, value.parameters()))
 
 
 class _StatefulSlot(_Slot):
@@ -267,8 +260,7 @@ class _Uncacheable(Exception):
 class _Builder:
     """Builds a template from a state and what `flatten_traced` made of it."""
 
-    def __init__(self, flat: FlatState, inner: list[Mapping[Any, Any]]) -> None:
-        self.flat = flat
+    def __init__(self, inner: list[Mapping[Any, Any]]) -> None:
         self.inner = iter(inner)
         self.count = 0  # leaves seen, in order
         self.tensor_pos: list[int] = []
@@ -442,7 +434,7 @@ def _without_gc(match: Callable[[object], FlatState | None], state: object) -> F
 
 
 def _build(state: Mapping[Any, Any], flat: FlatState, inner: list[Mapping[Any, Any]]) -> _Template | None:
-    builder = _Builder(flat, inner)
+    builder = _Builder(inner)
     try:
         root = builder.slot(state, flat.tree)
     except _Uncacheable:
