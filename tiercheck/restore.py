@@ -280,7 +280,7 @@ class _Binder:
     # -- containers
 
     def _mapping(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
-        children = dict(zip((decode_key(k) for k in node["k"]), node["v"], strict=True))
+        children = _children(node)
         if mode.fill and is_stateful(tmpl):
             return self._load_into(tmpl, children, path, mode)
         if mode.fill and isinstance(tmpl, Mapping):
@@ -374,7 +374,7 @@ class _Binder:
         for i, (group, mine) in enumerate(zip(groups, opt.param_groups, strict=True)):
             if group.get("t") != "dict":
                 continue
-            params = dict(zip((decode_key(k) for k in group["k"]), group["v"], strict=True)).get("params")
+            params = _children(group).get("params")
             if params is not None and params.get("t") in ("list", "tuple") and len(params["v"]) != len(mine["params"]):
                 raise self._mismatch(
                     key_path(where, i),
@@ -404,6 +404,11 @@ class _Binder:
 
             return fill
         return lambda: kind(p() for p in producers)
+
+
+def _children(node: JsonNode) -> dict[Any, JsonNode]:
+    """A saved dict node's children by their (decoded) keys."""
+    return dict(zip((decode_key(k) for k in node["k"]), node["v"], strict=True))
 
 
 def _tensor_memory(t: torch.Tensor) -> _Memory | None:
@@ -449,11 +454,14 @@ class _Lent:
     def bytes_view(self, scratch: np.ndarray[Any, Any], low: int) -> np.ndarray[Any, Any]:
         """The value's bytes as they would lie in `scratch`, a copy of memory from `low` on:
         shape + (element size,), C order like the checkpoint's bytes."""
-        item = self.entry.length // max(1, int(np.prod(self.entry.shape)))
         view: np.ndarray[Any, Any] = np.ndarray(
-            (*self.entry.shape, item), np.uint8, scratch, self.start - low, (*self.strides, 1)
+            self.byte_shape(), np.uint8, scratch, self.start - low, (*self.strides, 1)
         )
         return view
+
+    def byte_shape(self) -> tuple[int, ...]:
+        """The checkpoint value's shape + (element size,): its bytes as a uint8 array."""
+        return (*self.entry.shape, self.entry.length // max(1, int(np.prod(self.entry.shape))))
 
 
 class _Overlap:
@@ -471,9 +479,7 @@ class _Overlap:
         self.reads = [_Read(m.entry, _bytes_of(b)) for m, b in zip(members, self.staged, strict=True)]
 
     def _saved(self, i: int) -> np.ndarray[Any, Any]:
-        m = self.members[i]
-        item = m.entry.length // max(1, int(np.prod(m.entry.shape)))
-        return self.staged[i].reshape(*m.entry.shape, item)
+        return self.staged[i].reshape(self.members[i].byte_shape())
 
     def check(self) -> None:
         """Raise StateMismatchError unless one memory state reads back every saved value."""
