@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 
 from . import layout
 from .events import logger
-from .goodput import SCHEMA_VERSION
+from .goodput import MAX_INT, SCHEMA_VERSION
 from .handle import DrainReport, SaveHandle
 from .tiers.base import Tier
 from .tiers.remote import RemoteTier
@@ -120,6 +120,20 @@ def _open_regular(dfd: int, name: str, flags: int) -> int:
     return fd
 
 
+def _open_dir(path: str, shown: str, link_reason: str) -> int:
+    """A descriptor of directory `path`, not opened through a link at its last component.
+
+    Raises:
+        _Refused: `path` is a symbolic link (named `shown`, for `link_reason`).
+    """
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+            raise _Refused(shown, link_reason) from None
+        raise
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -151,12 +165,7 @@ class _LocalSink:
 
     def _dir_fd(self) -> int:
         os.makedirs(self.dir, exist_ok=True)
-        try:
-            return os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(self.dir):
-                raise _Refused(self.dir, "a symbolic link; the run log is written through none") from None
-            raise
+        return _open_dir(self.dir, self.dir, "a symbolic link; the run log is written through none")
 
     def _own(self, dfd: int, name: str, flags: int) -> int:
         """A descriptor of our file `name` for writing, created if absent, with no other link."""
@@ -624,7 +633,6 @@ class RunLog:
 
 READ_CHUNK = 256 << 10  # bytes read at a time: with the longest record, what a reader holds of a log
 MAX_BRACKETS = 64  # more [ and { outside strings than any record has: not a record (nor parsed)
-MAX_INT = 2**63 - 1  # a step, an iteration count, a rank or a size beyond this is no value of ours
 _STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
@@ -690,14 +698,9 @@ class RunLogFiles:
 
     def _open_dir(self) -> int:
         """The local run-log directory, not through a link (its root may be reached through links)."""
-        try:
-            return os.open(self._base, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(self._base):
-                raise _Refused(
-                    self.where, "a symbolic link, which tiercheck does not follow (give the directory it links to)"
-                ) from None
-            raise
+        return _open_dir(
+            self._base, self.where, "a symbolic link, which tiercheck does not follow (give the directory it links to)"
+        )
 
     def records(self, rank: int) -> Iterator[dict[str, Any]]:
         """Rank `rank`'s records, file by file and line by line (its heartbeat last); lines
@@ -729,7 +732,11 @@ class RunLogFiles:
             return
         path = os.path.join(self.where, name)
         try:
-            fd = _open_regular(self._open_dir(), name, os.O_RDONLY)
+            dfd = self._open_dir()
+            try:
+                fd = _open_regular(dfd, name, os.O_RDONLY)
+            finally:
+                os.close(dfd)
         except _Refused as exc:
             self.skipped_files.append(f"{path}: {exc.reason}")
             yield None
