@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptedError, DirectoryInUseError, NoCheckpointError
 from ..progress import format_bytes, terminal_bar
+from .dcp_source import one_line
 from .describe import describe_step, render
 from .export import FORMATS, describe_result, export_step
 from .ingest import SOURCE_FORMATS, import_step
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fail(args: argparse.Namespace, exc: BaseException, code: int, hint: str) -> int:
-    message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever a library's message holds
+    message = one_line(exc)  # one line, whatever a library's message holds
     print(f"tiercheck: {args.cmd}: {message}" + (f"; {hint}" if hint else ""), file=sys.stderr)
     if args.json:
         print(json.dumps({"error": {"type": type(exc).__name__, "message": message, "exit_code": code}}))
