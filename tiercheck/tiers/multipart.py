@@ -495,12 +495,21 @@ class LiveUploads:
         aborted = 0
         for store, upload, path, failed in live:
             failed.set()  # its parts stop being sent or retried
-            try:
-                call_once(f"aborting the multipart upload of {path}", lambda s=store, u=upload: s.abort(u))  # type: ignore[misc]
-                aborted += 1
-            except Exception as exc:
-                logger.warning("could not abort the multipart upload of %s: %r", path, exc)
+            aborted += _abort_once(store, upload, f"the multipart upload of {path}", call_once)
         return aborted
+
+
+def _abort_once(
+    store: MultipartStore, upload: Any, what: str, call_once: Callable[[str, Callable[[], None]], None]
+) -> bool:
+    """Abort `upload` with one bounded attempt; a failure is logged (best effort: nothing
+    unfinished is ever visible, and the bucket's lifecycle rule is the backstop)."""
+    try:
+        call_once(f"aborting {what}", lambda: store.abort(upload))
+        return True
+    except Exception as exc:
+        logger.warning("could not abort %s: %r", what, exc)
+        return False
 
 
 def abort_unfinished(
@@ -516,13 +525,8 @@ def abort_unfinished(
     call_once(f"listing the unfinished uploads under {prefix}", lambda: found.append(store.incomplete(prefix)))
     aborted: list[str] = []
     for path, upload in found[0]:
-        if not owned(path):
-            continue
-        try:
-            call_once(f"aborting the unfinished multipart upload of {path}", lambda u=upload: store.abort(u))  # type: ignore[misc]
+        if owned(path) and _abort_once(store, upload, f"the unfinished multipart upload of {path}", call_once):
             aborted.append(path)
-        except Exception as exc:  # one stays: the bucket's lifecycle rule is the backstop
-            logger.warning("could not abort the unfinished multipart upload of %s: %r", path, exc)
     return aborted
 
 
@@ -595,10 +599,7 @@ def upload_parts(
         call(f"completing the multipart upload of {path}", lambda: store.complete(upload, parts, stored))
     except BaseException:
         failed.set()
-        try:
-            call_once(f"aborting the multipart upload of {path}", lambda: store.abort(upload))
-        except Exception as exc:  # best effort: nothing unfinished is ever visible
-            logger.warning("could not abort the multipart upload of %s: %r", path, exc)
+        _abort_once(store, upload, f"the multipart upload of {path}", call_once)
         raise
     finally:
         if live is not None and token is not None:
