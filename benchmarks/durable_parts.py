@@ -34,7 +34,7 @@ import torch
 from common import GIB, MIB, PlainBuffer, fsync_path, machine_info, rotated, summary, write_file
 
 import tiercheck
-from tiercheck.checksum import checksum_function
+from tiercheck.format.checksum import checksum_function
 
 now = time.perf_counter
 

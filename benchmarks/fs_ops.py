@@ -112,7 +112,7 @@ class Bench:
                 self.settle()
             return lambda: self.write(True)
         if op == "crc":
-            from tiercheck.checksum import checksum_function
+            from tiercheck.format.checksum import checksum_function
 
             crc = checksum_function("crc32c")
             return lambda: crc(self.view)

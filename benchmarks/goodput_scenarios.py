@@ -14,7 +14,7 @@ in `ASSUMPTIONS` (docs/goodput.md prints them next to the results). The model:
   while the write to storage, W = S / write bandwidth, runs in the background);
 * failures arrive at random (exponential), F per month, MTBF M = month / F;
 * the interval T (compute time between saves) is each method's own optimum: Daly's
-  higher-order interval for its cost C (`tiercheck.goodput.daly_interval`), and for
+  higher-order interval for its cost C (`tiercheck.goodput.summary.daly_interval`), and for
   tiercheck at least W, since a save cannot start before the previous one is durable
   without queueing behind it;
 * per month: stall = saves x C, with saves = month / (T + C); redo = F x the expected work
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tiercheck.goodput import daly_interval, format_duration  # noqa: E402
+from tiercheck.goodput.summary import daly_interval, format_duration  # noqa: E402
 
 HOUR = 3600.0
 MONTH = 730.0 * HOUR  # 365 * 24 / 12

@@ -60,13 +60,13 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 import tiercheck  # noqa: E402
 from tests.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
-from tiercheck import layout  # noqa: E402
-from tiercheck.catalog import read_manifest, verify_files  # noqa: E402
+from tiercheck.format import naming  # noqa: E402
+from tiercheck.steps.catalog import read_manifest, verify_files  # noqa: E402
 from tiercheck.tiers.local import LocalTier  # noqa: E402
 
 MiB = 1 << 20
 MB = 1e6
-SHARD = layout.shard_name(0, 1)
+SHARD = naming.shard_name(0, 1)
 UP = ("up_tiercheck", "up_put_file", "up_open_wb", "up_dcp")
 EXTRA = ("up_tiercheck_verify",)
 DOWN = ("dn_tiercheck", "dn_get_file", "dn_open_rb", "dn_dcp")
@@ -207,7 +207,7 @@ class Run:
             # the uploader first checks the tier-1 copy (never spread a damaged one): the same
             # work again, timed alone, with the page cache dropped as the O_DIRECT writer leaves it
             tier1 = os.path.join(self.root, "tier1-shaped")
-            shard = os.path.join(tier1, layout.step_dir_name(self.step), SHARD)
+            shard = os.path.join(tier1, naming.step_dir_name(self.step), SHARD)
             drop_file_cache(shard)
             local = LocalTier(tier1)
             t0 = time.perf_counter()
@@ -321,12 +321,12 @@ def run(
             r.up_tiercheck(link)
         r.durable.clear()
         r.times["up_tiercheck_verify"].clear()
-        shutil.copyfile(os.path.join(root, "tier1-direct", layout.step_dir_name(r.last["direct"]), SHARD), r.ref)
+        shutil.copyfile(os.path.join(root, "tier1-direct", naming.step_dir_name(r.last["direct"]), SHARD), r.ref)
         r.shard_bytes = os.path.getsize(r.ref)
         r.fs["direct"].put_file(r.ref, f"{r.url}/put-direct/{SHARD}")
         r.up_dcp()
         r.dn_open_rb()
-        step_dir = f"{r.url}/tc-direct/{layout.step_dir_name(r.last['direct'])}"
+        step_dir = f"{r.url}/tc-direct/{naming.step_dir_name(r.last['direct'])}"
         r.step_bytes = sum(i["size"] for i in r.fs["direct"].ls(step_dir, detail=True))
         methods = r.methods()
         loads = []

@@ -49,10 +49,10 @@ from common import git_rev  # noqa: E402
 
 import tiercheck  # noqa: E402
 from tests.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
-from tiercheck import layout  # noqa: E402
+from tiercheck.format import naming  # noqa: E402
 
 MiB = 1 << 20
-SHARD = layout.shard_name(0, 1)
+SHARD = naming.shard_name(0, 1)
 METHODS = ("tiercheck", "ranges", "one_get")
 
 
@@ -156,7 +156,7 @@ class Case:
         self.proxy = ShapingProxyProcess(self.server.port, rate_bps=self.rate * MiB, rtt_s=self.args.rtt_ms / 1e3)
         self.opts = dict(base, endpoint_url=self.proxy.endpoint_url)
         fs = fsspec.filesystem("s3", **self.opts)
-        self.shard = f"{fs._strip_protocol(self.url)}/{layout.step_dir_name(1)}/{SHARD}"
+        self.shard = f"{fs._strip_protocol(self.url)}/{naming.step_dir_name(1)}/{SHARD}"
         self.shard_bytes = int(fs.info(self.shard)["size"])
 
     def close(self) -> None:

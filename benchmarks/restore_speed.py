@@ -1,4 +1,4 @@
-"""Restore speed: tiercheck.restore vs a plain preadv of the same bytes into the live tensors
+"""Restore speed: tiercheck.steps.restore vs a plain preadv of the same bytes into the live tensors
 vs torch.load, side by side, cold page cache where the machine allows dropping it.
 
     python benchmarks/restore_speed.py --size-gib 1 --repeats 5
@@ -30,8 +30,8 @@ import torch
 from common import drop_tree_cache
 
 import tiercheck
-from tiercheck import layout
-from tiercheck.catalog import read_manifest
+from tiercheck.format import naming
+from tiercheck.steps.catalog import read_manifest
 from tiercheck.tiers.local import LocalTier
 
 
@@ -85,7 +85,7 @@ def measure(size_gib: float, args: argparse.Namespace) -> dict[str, Any]:
             torch.save(state, torch_path)
         tier = LocalTier(os.path.join(root, "tc"))
         manifest = read_manifest(tier, 1, 0)
-        shard = tier.path_of(1, layout.shard_name(0, 1))
+        shard = tier.path_of(1, naming.shard_name(0, 1))
         by_path = {e.path: e.offset for e in manifest.entries}
         targets = [(by_path[f"state[{k!r}]"], t) for k, t in state.items()]
 

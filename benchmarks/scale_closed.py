@@ -24,7 +24,7 @@ from scale_model import (
     why_line_bytes,
 )
 
-from tiercheck.catalog import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
+from tiercheck.steps.catalog import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
 
 # ------------------------------------------------------------------- restore (closed form)
 

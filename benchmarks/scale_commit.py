@@ -29,7 +29,7 @@ from scale_model import (
     shard_requests,
 )
 
-from tiercheck.catalog import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
+from tiercheck.steps.catalog import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
 
 # ------------------------------------------------------------------- discrete-event commit
 

@@ -9,7 +9,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from tiercheck.coordination import Coordinator
+from tiercheck.job.coordination import Coordinator
 from tiercheck.tiers.remote import RemoteTier
 
 MiB = 1 << 20

@@ -7,7 +7,7 @@ from typing import Any
 
 from scale_model import REASONS_KEPT, VERDICT_OK, Assumptions
 
-from tiercheck.catalog import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
+from tiercheck.steps.catalog import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
 
 # ------------------------------------------------------------------- output
 

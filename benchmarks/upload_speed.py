@@ -49,10 +49,10 @@ from common import drop_file_cache  # noqa: E402
 
 import tiercheck  # noqa: E402
 from tests.servers import SeaweedFS  # noqa: E402
-from tiercheck import layout  # noqa: E402
+from tiercheck.format import naming  # noqa: E402
 
 MiB = 1 << 20
-SHARD = layout.shard_name(0, 1)
+SHARD = naming.shard_name(0, 1)
 
 
 def make_state(size_mib: int) -> dict[str, torch.Tensor]:
@@ -168,10 +168,10 @@ def run(args: argparse.Namespace, root: str, server: SeaweedFS, opts: dict[str, 
         # warm-up (not timed): buffers, connections, the reference copy of the shard
         ckpt.save(0, state).wait()
         ckpt.wait()
-        shutil.copyfile(os.path.join(local, layout.step_dir_name(0), SHARD), ref)
+        shutil.copyfile(os.path.join(local, naming.step_dir_name(0), SHARD), ref)
         fs.put_file(ref, f"{url}-put/{SHARD}")
         shard_bytes = os.path.getsize(ref)
-        step_bytes = sum(info["size"] for info in fs.ls(f"{url}/{layout.step_dir_name(0)}", detail=True))
+        step_bytes = sum(info["size"] for info in fs.ls(f"{url}/{naming.step_dir_name(0)}", detail=True))
         methods: list[tuple[str, Callable[[], None]]] = [
             ("a", tiercheck_upload),
             ("b", put_file),

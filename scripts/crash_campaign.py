@@ -58,8 +58,8 @@ from pathlib import Path
 from types import ModuleType
 
 import tiercheck
-from tiercheck import layout
-from tiercheck.retention import as_policy, plan_catch_up
+from tiercheck.format import naming
+from tiercheck.plan.retention import as_policy, plan_catch_up
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import RemoteTier
 
@@ -321,24 +321,24 @@ def step_dirs(root: Path) -> tuple[list[int], list[int]]:
     marked, unmarked = [], []
     names = os.listdir(root) if root.is_dir() else []
     for name in names:
-        step = layout.parse_step_dir(name)
+        step = naming.parse_step_dir(name)
         if step is not None:
-            (marked if (root / name / layout.COMMIT_NAME).is_file() else unmarked).append(step)
+            (marked if (root / name / naming.COMMIT_NAME).is_file() else unmarked).append(step)
     return sorted(marked), sorted(unmarked)
 
 
 def marker_cut(remote: Path, local: Path, step: int) -> bool:
     """A tier-2 COMMIT that a kill cut while it was written: empty, or a strict prefix of the
     same step's tier-1 marker (``file://`` writes objects in place, not atomically)."""
-    name = layout.step_dir_name(step)
+    name = naming.step_dir_name(step)
     try:
-        data = (remote / name / layout.COMMIT_NAME).read_bytes()
+        data = (remote / name / naming.COMMIT_NAME).read_bytes()
     except OSError:
         return False
     if not data:
         return True
     try:
-        full = (local / name / layout.COMMIT_NAME).read_bytes()
+        full = (local / name / naming.COMMIT_NAME).read_bytes()
     except OSError:
         return False
     return len(data) < len(full) and full.startswith(data)
@@ -368,7 +368,7 @@ def verify(
         urls["remote"] = f"file://{remote}"
     keep = {"local": config.keep_local, "remote": config.keep_remote}
     names = os.listdir(local) if local.is_dir() else []
-    figures.leftovers_cleaned += sum(layout.is_leftover(n) for n in names)
+    figures.leftovers_cleaned += sum(naming.is_leftover(n) for n in names)
 
     # 1. What the kill left, read before anything touches the tiers.
     listed: dict[str, list[int]] = {"local": LocalTier(local).committed_steps()}
@@ -426,7 +426,7 @@ def verify(
             left = sorted(
                 n
                 for n in (os.listdir(local) if local.is_dir() else [])
-                if layout.is_leftover(n) and (n in before or not n.startswith(".tiercheck-trash-"))
+                if naming.is_leftover(n) and (n in before or not n.startswith(".tiercheck-trash-"))
             )
             if left:
                 figures.fail(f"{trial}: tier-1 leftovers after a fresh Checkpointer started writing: {left}")
@@ -448,7 +448,7 @@ def verify(
                 ckpt.close()
             except tiercheck.TiercheckError as exc:
                 figures.fail(f"{trial}: the checking Checkpointer failed: {exc}")
-        left = sorted(n for n in (os.listdir(local) if local.is_dir() else []) if layout.is_leftover(n))
+        left = sorted(n for n in (os.listdir(local) if local.is_dir() else []) if naming.is_leftover(n))
         if left:
             figures.fail(f"{trial}: tier-1 leftovers after the checking Checkpointer closed: {left}")
     _check_warnings(caught, cut, figures, trial)

@@ -47,14 +47,14 @@ import torch
 
 with atheris.instrument_imports(include=["tiercheck"]):
     import tiercheck
-    from tiercheck import layout
-    from tiercheck.checksum import checksum_function
     from tiercheck.errors import CheckpointCorruptedError, NoCheckpointError
-    from tiercheck.manifest import decode_manifest, decode_marker
+    from tiercheck.format import naming
+    from tiercheck.format.checksum import checksum_function
+    from tiercheck.format.manifest import decode_manifest, decode_marker
 
-MANIFEST = layout.manifest_name(0, 1)
-COMMIT = layout.COMMIT_NAME
-SHARD = layout.shard_name(0, 1)
+MANIFEST = naming.manifest_name(0, 1)
+COMMIT = naming.COMMIT_NAME
+SHARD = naming.shard_name(0, 1)
 
 
 # libFuzzer ends the process without running atexit handlers, so the scratch directory is
@@ -76,12 +76,12 @@ def _build() -> tuple[Path, bytes, bytes, bytes]:
     with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
         ckpt.save(1, state).wait()
         ckpt.save(2, state).wait()
-    d = root / layout.step_dir_name(2)
+    d = root / naming.step_dir_name(2)
     return root, (d / MANIFEST).read_bytes(), (d / COMMIT).read_bytes(), (d / SHARD).read_bytes()
 
 
 ROOT, VALID_MANIFEST, VALID_MARKER, VALID_SHARD = _build()
-STEP_DIR = ROOT / layout.step_dir_name(2)
+STEP_DIR = ROOT / naming.step_dir_name(2)
 ALGO = json.loads(VALID_MARKER)["checksum_algorithm"]
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 
 
 def say(line: str) -> None:
@@ -33,7 +33,7 @@ def slow_save(root: str) -> None:
     ckpt.save(1, {"x": torch.full((1024,), 1.0)}).wait()
     say("committed 1")
     handle = ckpt.save(2, {"x": torch.full((3 << 20,), 2.0)})  # 12 MiB: about 3 s to write
-    while not any(n.startswith(layout.TMP_PREFIX) for n in os.listdir(root)):
+    while not any(n.startswith(naming.TMP_PREFIX) for n in os.listdir(root)):
         time.sleep(0.005)
     say("writing 2")
     try:

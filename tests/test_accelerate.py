@@ -17,7 +17,7 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 
 import tiercheck  # noqa: E402
-from tiercheck import layout  # noqa: E402
+from tiercheck.format import naming  # noqa: E402
 from tiercheck.integrations import accelerate as tc  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("accelerate_worker.py"))
@@ -36,7 +36,7 @@ def run_worker(
 
 
 def committed(root: Path) -> list[int]:
-    return sorted(int(p.name[len("step-") :]) for p in root.glob("step-*") if (p / layout.COMMIT_NAME).is_file())
+    return sorted(int(p.name[len("step-") :]) for p in root.glob("step-*") if (p / naming.COMMIT_NAME).is_file())
 
 
 def test_sigkill_then_load_state_resumes_bit_exact(tmp_path: Path) -> None:

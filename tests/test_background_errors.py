@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 from tiercheck.testing import Faults
 
 
@@ -30,7 +30,7 @@ def assert_restores(ckpt: tiercheck.Checkpointer, step: int) -> None:
 
 
 def no_temp_dirs(root: Path) -> bool:
-    return not [n for n in os.listdir(root) if n.startswith(layout.TMP_PREFIX)]
+    return not [n for n in os.listdir(root) if n.startswith(naming.TMP_PREFIX)]
 
 
 @pytest.fixture
@@ -198,19 +198,19 @@ def test_leftover_temp_and_trash_dirs_are_removed_at_start(make_ckpt, ckpt_dir, 
     first = make_ckpt()
     first.save(1, small(1)).wait()
     first.close()
-    tmp = ckpt_dir / f"{layout.TMP_PREFIX}{layout.step_dir_name(5)}-r00000-0123456789abcdef"
-    trash = ckpt_dir / f"{layout.TRASH_PREFIX}{layout.step_dir_name(3)}-fedcba9876543210"
-    generated = ckpt_dir / layout.tmp_dir_name(7, 0)
+    tmp = ckpt_dir / f"{naming.TMP_PREFIX}{naming.step_dir_name(5)}-r00000-0123456789abcdef"
+    trash = ckpt_dir / f"{naming.TRASH_PREFIX}{naming.step_dir_name(3)}-fedcba9876543210"
+    generated = ckpt_dir / naming.tmp_dir_name(7, 0)
     for d in (tmp, trash, generated):
         d.mkdir()
-        (d / layout.shard_name(0, 1)).write_bytes(b"partial")
+        (d / naming.shard_name(0, 1)).write_bytes(b"partial")
     (ckpt_dir / "my-notes").mkdir()
     (ckpt_dir / "my-notes" / "todo.txt").write_text("keep me")
     copy = ckpt_dir / "step-000000000005-copy"
     copy.mkdir()
-    (copy / layout.COMMIT_NAME).write_text("a user's copy")
+    (copy / naming.COMMIT_NAME).write_text("a user's copy")
     (ckpt_dir / ".tiercheck-tmp-notes").mkdir()  # prefix only: not our name
-    (ckpt_dir / f"{layout.TMP_PREFIX}{layout.step_dir_name(6)}-r00000-0123456789abcdef.txt").write_text("file")
+    (ckpt_dir / f"{naming.TMP_PREFIX}{naming.step_dir_name(6)}-r00000-0123456789abcdef.txt").write_text("file")
     user_files = {
         k: v for k, v in dir_snapshot(ckpt_dir).items() if not k.startswith((tmp.name, trash.name, generated.name))
     }

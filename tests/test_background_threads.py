@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import priority, staging
+from tiercheck.engine import priority
+from tiercheck.steps import stage as staging
 
 _IOPRIO_GET = {"x86_64": 252, "aarch64": 31, "ppc64le": 274}.get(platform.machine())
 

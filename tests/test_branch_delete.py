@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck.layout import step_dir_name
+from tiercheck.format.naming import step_dir_name
 from tiercheck.testing import Faults, FaultyTier
 from tiercheck.tiers.open import open_tier
 

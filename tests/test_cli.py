@@ -17,8 +17,8 @@ import torch
 from faulty_fs import Faults, FaultyMemoryFileSystem
 
 import tiercheck
-from tiercheck import layout
 from tiercheck.__main__ import main
+from tiercheck.format import naming
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def test_ls_and_verify_single_rank(tmp_path: Path, capsys: pytest.CaptureFixture
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split("\t")[:3] for ln in lines] == [["1", "1 rank", "1 entries"], ["2", "1 rank", "1 entries"]]
     assert main(["verify", str(tmp_path)]) == 0
-    shard = tmp_path / "step-000000000002" / layout.shard_name(0, 1)
+    shard = tmp_path / "step-000000000002" / naming.shard_name(0, 1)
     data = bytearray(shard.read_bytes())
     data[10] ^= 1
     shard.write_bytes(bytes(data))
@@ -87,8 +87,8 @@ def test_a_directory_without_steps_checks_nothing_and_says_so(
     assert err.startswith(f"tiercheck: no committed step: {tmp_path}: ")
     assert main([cmd, str(tmp_path / "some-file")]) == 2  # a file, not a tier root
     assert capsys.readouterr().err.startswith(f"tiercheck: not a directory: {tmp_path / 'some-file'}: ")
-    (tmp_path / layout.step_dir_name(4)).mkdir()  # an interrupted save: no commit marker
-    (tmp_path / layout.step_dir_name(4) / layout.shard_name(0, 1)).write_bytes(b"half")
+    (tmp_path / naming.step_dir_name(4)).mkdir()  # an interrupted save: no commit marker
+    (tmp_path / naming.step_dir_name(4) / naming.shard_name(0, 1)).write_bytes(b"half")
     assert main([cmd, f"file://{tmp_path}"]) == 2
     assert "1 step directories there have no commit marker" in capsys.readouterr().err
 
@@ -108,7 +108,7 @@ def test_verify_of_a_step_that_is_not_committed_fails(tmp_path: Path, capsys: py
 def test_ls_reports_an_unreadable_step_in_its_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ck:
         ck.save(1, {"w": torch.ones(10)})
-    (tmp_path / layout.step_dir_name(1) / layout.COMMIT_NAME).write_bytes(b"{not json")
+    (tmp_path / naming.step_dir_name(1) / naming.COMMIT_NAME).write_bytes(b"{not json")
     assert main(["ls", str(tmp_path)]) == 1
     assert "UNREADABLE" in capsys.readouterr().out
 

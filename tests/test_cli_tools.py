@@ -21,11 +21,11 @@ import torch
 
 import tiercheck
 from tests.assertions import same
-from tiercheck import layout
 from tiercheck.__main__ import main
-from tiercheck.catalog import read_manifest, verify_files
 from tiercheck.errors import CheckpointCorruptedError, DirectoryInUseError, UnsupportedStateError
-from tiercheck.progress import terminal_bar
+from tiercheck.format import naming
+from tiercheck.observe.progress import terminal_bar
+from tiercheck.steps.catalog import read_manifest, verify_files
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tools import export_step, import_step, prune_steps, remove_step
 from tiercheck.tools.prune import writers_excluded
@@ -163,7 +163,7 @@ def test_inspect_reads_the_manifest_alone(saved: Path, capsys: pytest.CaptureFix
     assert doc["tiers"] == [{"name": "local", "location": str(saved), "committed": True}]
 
     # No tensor byte is read: with the shard gone, inspect still answers the same.
-    shard = saved / layout.step_dir_name(10) / layout.shard_name(0, 1)
+    shard = saved / naming.step_dir_name(10) / naming.shard_name(0, 1)
     shard.unlink()
     code, out2, _ = run_cli(["inspect", str(saved), "--json"], capsys)
     assert code == 0 and json.loads(out2) == doc
@@ -186,7 +186,7 @@ def test_inspect_several_tiers_and_errors(saved: Path, tmp_path: Path, capsys: p
     assert code == 2 and json.loads(out)["error"]["type"] == "NoCheckpointError"
     assert err.startswith("tiercheck: inspect: ") and err.count("\n") == 1
     # A manifest that fails its checksum is damage: exit 1.
-    manifest = saved / layout.step_dir_name(10) / layout.manifest_name(0, 1)
+    manifest = saved / naming.step_dir_name(10) / naming.manifest_name(0, 1)
     manifest.write_bytes(manifest.read_bytes().replace(b'"run7"', b'"run8"'))
     code, _, err = run_cli(["inspect", str(saved), "--step", "10"], capsys)
     assert code == 1 and "checksum" in err
@@ -269,7 +269,7 @@ def test_export_dcp_matches_dcp_load(saved: Path, tmp_path: Path, capsys: pytest
 def test_export_of_damaged_bytes_leaves_nothing(
     saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    shard = saved / layout.step_dir_name(10) / layout.shard_name(0, 1)
+    shard = saved / naming.step_dir_name(10) / naming.shard_name(0, 1)
     data = bytearray(shard.read_bytes())
     data[0] ^= 0x40  # the first tensor's first byte
     shard.write_bytes(bytes(data))
@@ -468,7 +468,7 @@ def test_prune_keeps_what_retention_would(
     assert code == 0 and "deleted steps 100, 300" in out
     assert LocalTier(many_steps).committed_steps() == [200, 400, 500, 600]
     same(tiercheck.load(many_steps, 600)["w"], torch.full((4,), 600.0))
-    assert not [n for n in os.listdir(many_steps) if layout.is_leftover(n)]  # no trash left
+    assert not [n for n in os.listdir(many_steps) if naming.is_leftover(n)]  # no trash left
 
 
 def test_prune_keeps_steps_not_yet_on_the_next_tier(many_steps: Path, tmp_path: Path) -> None:
@@ -551,7 +551,7 @@ def test_progress_callbacks_count_every_byte(saved: Path, tmp_path: Path) -> Non
     calls.clear()
     tier = LocalTier(saved)
     verify_files(tier, 10, read_manifest(tier, 10, 0), progress=lambda d, t: calls.append((d, t)))
-    shard = saved / layout.step_dir_name(10) / layout.shard_name(0, 1)
+    shard = saved / naming.step_dir_name(10) / naming.shard_name(0, 1)
     assert calls[-1] == (shard.stat().st_size, shard.stat().st_size)
 
     calls.clear()
@@ -574,7 +574,7 @@ def test_import_writes_what_checkpointer_save_writes(tmp_path: Path) -> None:
     import_step(src, tmp_path / "imported", 7)
     with tiercheck.Checkpointer(local=tmp_path / "saved", keep_local=None, run_log_interval=None) as ck:
         ck.save(7, torch.load(src, weights_only=True))
-    step = layout.step_dir_name(7)
+    step = naming.step_dir_name(7)
     names = sorted(os.listdir(tmp_path / "saved" / step))
     assert sorted(os.listdir(tmp_path / "imported" / step)) == names
     for name in names:
@@ -714,7 +714,7 @@ def test_the_library_works_without_the_optional_packages(saved: Path, tmp_path: 
         sys.modules["safetensors"] = None  # import fails as if not installed
         sys.modules["tqdm"] = None
         import tiercheck, tiercheck.tools
-        from tiercheck.progress import terminal_bar
+        from tiercheck.observe.progress import terminal_bar
         r = tiercheck.tools.export_step({str(saved)!r}, {str(tmp_path / "a.safetensors")!r}, prefix="model")
         print(r.tensors)
         class Tty(io.StringIO):
@@ -762,7 +762,7 @@ def test_every_tool_subcommand_takes_json_and_usage_errors_exit_2(
 
 
 def test_corrupted_step_in_export_exits_1_and_inspect_still_works(saved: Path, tmp_path: Path) -> None:
-    shard = saved / layout.step_dir_name(10) / layout.shard_name(0, 1)
+    shard = saved / naming.step_dir_name(10) / naming.shard_name(0, 1)
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     with pytest.raises(CheckpointCorruptedError):
         export_step(saved, tmp_path / "x.pt")
@@ -772,7 +772,7 @@ def test_corrupted_step_in_export_exits_1_and_inspect_still_works(saved: Path, t
 def test_verify_shows_progress_when_asked(
     saved: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("tiercheck.progress.MIN_BYTES", 1)
+    monkeypatch.setattr("tiercheck.observe.progress.MIN_BYTES", 1)
     monkeypatch.setenv("TIERCHECK_PROGRESS", "1")  # stderr is captured, not a terminal
     code, out, err = run_cli(["verify", str(saved)], capsys)
     assert code == 0 and "step 10: ok" in out
@@ -810,7 +810,7 @@ def test_tools_on_a_url_with_compressed_shards(tmp_path: Path, capsys: pytest.Ca
     with tiercheck.Checkpointer(remote=url, keep_remote=None, remote_compression="zstd") as ck:
         ck.save(1, state)
         ck.save(2, state)
-    manifest = json.loads((tmp_path / "bucket" / layout.step_dir_name(2) / layout.manifest_name(0, 1)).read_text())
+    manifest = json.loads((tmp_path / "bucket" / naming.step_dir_name(2) / naming.manifest_name(0, 1)).read_text())
     assert manifest["files"][0]["codec"] == "zstd"
     code, out, _ = run_cli(["inspect", url, "--json"], capsys)
     assert code == 0 and json.loads(out)["files"][0]["codec"] == "zstd"

@@ -1,4 +1,4 @@
-"""The store protocol of tiercheck.coordination, with in-process ranks on a real TCPStore,
+"""The store protocol of tiercheck.job.coordination, with in-process ranks on a real TCPStore,
 and the multi-rank options' validation."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 import tiercheck
-from tiercheck.coordination import Coordinator, PartReport
 from tiercheck.errors import CoordinationError
-from tiercheck.store import ranges as _ranges
+from tiercheck.job.coordination import Coordinator, PartReport
+from tiercheck.job.store import ranges as _ranges
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def coordinators(store: Any, world: int, timeout: float = 5.0) -> list[Coordinat
 
 
 def ref(rank: int, world: int) -> dict[str, Any]:
-    return {"name": tiercheck.layout.manifest_name(rank, world), "length": 10 + rank, "checksum": "ab"}
+    return {"name": tiercheck.format.naming.manifest_name(rank, world), "length": 10 + rank, "checksum": "ab"}
 
 
 def run_ranks(fns: list[Any]) -> list[Any]:

@@ -28,14 +28,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import tiercheck
-from tiercheck import layout
-from tiercheck.checksum import checksum_function
 from tiercheck.errors import CheckpointCorruptedError
-from tiercheck.manifest import MAX_NDIM, decode_manifest, decode_marker
+from tiercheck.format import naming
+from tiercheck.format.checksum import checksum_function
+from tiercheck.format.manifest import MAX_NDIM, decode_manifest, decode_marker
 
-SHARD = layout.shard_name(0, 1)
-MANIFEST = layout.manifest_name(0, 1)
-COMMIT = layout.COMMIT_NAME
+SHARD = naming.shard_name(0, 1)
+MANIFEST = naming.manifest_name(0, 1)
+COMMIT = naming.COMMIT_NAME
 
 
 # ------------------------------------------------------------------------ helpers
@@ -85,7 +85,7 @@ def same(actual: object, expected: object) -> bool:
 
 
 def step_path(root: Path, step: int, name: str | None = None) -> Path:
-    d = root / layout.step_dir_name(step)
+    d = root / naming.step_dir_name(step)
     return d if name is None else d / name
 
 
@@ -271,7 +271,7 @@ def test_restore_skips_a_damaged_step_with_a_warning(root: Path, damage: str) ->
     messages = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1
     assert re.search(r"\bstep 2\b", messages[0]), messages[0]
-    assert layout.step_dir_name(2) in messages[0]
+    assert naming.step_dir_name(2) in messages[0]
     assert file in messages[0]
     assert same(template, make_state(1))
 
@@ -407,7 +407,7 @@ def _make_valid_documents() -> dict[str, bytes]:
         }
         with tiercheck.Checkpointer(local=d, keep_local=None) as ckpt:
             ckpt.save(3, state).wait()
-        sd = Path(d) / layout.step_dir_name(3)
+        sd = Path(d) / naming.step_dir_name(3)
         return {"manifest": (sd / MANIFEST).read_bytes(), "marker": (sd / COMMIT).read_bytes()}
 
 
@@ -553,7 +553,7 @@ def _check_accepted_manifest(data: bytes) -> None:
     m = decode_manifest(data, "fuzz")
     sizes = {f.name: f.length for f in m.files}
     for e in m.entries:
-        assert layout.is_safe_file_name(e.file)
+        assert naming.is_safe_file_name(e.file)
         assert "/" not in e.file and "\\" not in e.file and ":" not in e.file and ".." not in e.file
         assert e.offset >= 0 and e.offset + e.length <= sizes[e.file]
         assert len(e.shape) <= MAX_NDIM
@@ -602,7 +602,7 @@ def test_marker_parser_on_mutated_markers(doc: Any) -> None:
     except CheckpointCorruptedError:
         return
     assert len(m.manifests) == m.world_size
-    assert [r.file for r in m.manifests] == [layout.manifest_name(i, m.world_size) for i in range(m.world_size)]
+    assert [r.file for r in m.manifests] == [naming.manifest_name(i, m.world_size) for i in range(m.world_size)]
 
 
 @FUZZ
@@ -651,8 +651,8 @@ def test_tree_node_with_unhashable_type_tag_is_corruption(tag: object) -> None:
 
 
 def test_layout_names_are_strict_ascii() -> None:
-    assert not layout.is_safe_file_name("rank-00000-of-00001.shard\n")
-    assert not layout.is_safe_file_name("rank-\u0660\u0660\u0660\u0660\u0660-of-00001.shard")
-    assert layout.parse_step_dir("step-000000000001\n") is None
-    assert layout.parse_step_dir("step-0000000000001") is None
-    assert layout.parse_step_dir("step-" + "\u0661" * 12) is None
+    assert not naming.is_safe_file_name("rank-00000-of-00001.shard\n")
+    assert not naming.is_safe_file_name("rank-\u0660\u0660\u0660\u0660\u0660-of-00001.shard")
+    assert naming.parse_step_dir("step-000000000001\n") is None
+    assert naming.parse_step_dir("step-0000000000001") is None
+    assert naming.parse_step_dir("step-" + "\u0661" * 12) is None

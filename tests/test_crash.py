@@ -39,7 +39,7 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 from tiercheck.tiers.local import LocalTier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ def _save_steps(directory: Path, steps: range, keep: int | None = None) -> None:
 def test_crash_between_marker_unlink_and_rename_hides_the_step(tmp_path: Path) -> None:
     """A deletion killed right after it removed the marker: the step is simply gone."""
     _save_steps(tmp_path, range(3))
-    (tmp_path / layout.step_dir_name(1) / layout.COMMIT_NAME).unlink()
+    (tmp_path / naming.step_dir_name(1) / naming.COMMIT_NAME).unlink()
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
         assert ckpt.steps() == [0, 2]
         template = worker.make_state(0)
@@ -213,8 +213,8 @@ def test_crash_between_marker_unlink_and_rename_hides_the_step(tmp_path: Path) -
 
 def test_crash_leftovers_are_removed_and_unrelated_dirs_kept(tmp_path: Path) -> None:
     _save_steps(tmp_path, range(2))
-    tmp_dir = tmp_path / layout.tmp_dir_name(2, 0)
-    trash_dir = tmp_path / layout.trash_dir_name(0)
+    tmp_dir = tmp_path / naming.tmp_dir_name(2, 0)
+    trash_dir = tmp_path / naming.trash_dir_name(0)
     for d in (tmp_dir, trash_dir):
         d.mkdir()
         (d / "rank-00000-of-00001.shard").write_bytes(b"\0" * 4096)
@@ -237,7 +237,7 @@ def test_step_number_is_reusable_after_a_crash_mid_deletion(tmp_path: Path) -> N
     # abandoned steps 3, 2 (newest first); a kill after step 3's marker is unlinked leaves
     # step-000000000003/ without COMMIT. The next run resumes at step 2 and saves step 3.
     _save_steps(tmp_path, range(4))
-    (tmp_path / layout.step_dir_name(3) / layout.COMMIT_NAME).unlink()
+    (tmp_path / naming.step_dir_name(3) / naming.COMMIT_NAME).unlink()
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
         assert ckpt.restore(worker.make_state(0)) == 2
         ckpt.save(3, worker.make_state(3)).wait()
@@ -255,8 +255,8 @@ def test_a_step_killed_mid_deletion_is_invisible_and_reclaimed(tmp_path: Path, m
     tier.delete_step(0)
     monkeypatch.undo()
     names = sorted(os.listdir(tmp_path))
-    assert layout.step_dir_name(0) not in names
-    assert any(layout.is_leftover(n) for n in names)
+    assert naming.step_dir_name(0) not in names
+    assert any(naming.is_leftover(n) for n in names)
     with tiercheck.Checkpointer(local=tmp_path, keep_local=2) as ckpt:
         assert ckpt.steps() == [1, 2]
         assert ckpt.restore(worker.make_state(0)) == 2
@@ -264,5 +264,5 @@ def test_a_step_killed_mid_deletion_is_invisible_and_reclaimed(tmp_path: Path, m
         ckpt.wait()
         assert ckpt.steps() == [2, 3]
     assert sorted(os.listdir(tmp_path)) == sorted(
-        [layout.lock_name(0), layout.RUNLOG_DIR, layout.step_dir_name(2), layout.step_dir_name(3)]
+        [naming.lock_name(0), naming.RUNLOG_DIR, naming.step_dir_name(2), naming.step_dir_name(3)]
     )

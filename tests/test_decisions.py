@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiercheck.checksum import checksum_function, checksum_stream, feed_regions
 from tiercheck.errors import InvalidArgumentError, StepConflictError, UnsupportedStateError
-from tiercheck.manifest import decode_manifest, encode_manifest
+from tiercheck.format.checksum import checksum_function, checksum_stream, feed_regions
+from tiercheck.format.manifest import decode_manifest, encode_manifest
 from tiercheck.options import Options
-from tiercheck.placement import JobLayout, key_sizes, normalize_replicated, place, place_state, replicated_keys
-from tiercheck.planner import plan_shard
-from tiercheck.retention import KeepLast
-from tiercheck.state import flatten_state
-from tiercheck.stepdoc import shard_manifest, stored_as, with_alias_sums
-from tiercheck.steporder import Branch, Proceed, claim
+from tiercheck.plan.placement import JobLayout, key_sizes, normalize_replicated, place, place_state, replicated_keys
+from tiercheck.plan.retention import KeepLast
+from tiercheck.plan.shards import plan_shard
+from tiercheck.plan.stepdoc import shard_manifest, stored_as, with_alias_sums
+from tiercheck.plan.steporder import Branch, Proceed, claim
+from tiercheck.state.flatten import flatten_state
 
 
 def state() -> dict[str, object]:

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 from tiercheck.tiers.local import LocalTier
 
 MiB = 1 << 20
@@ -151,15 +151,15 @@ def visible_entries(root: Path) -> list[str]:
     return sorted(
         n
         for n in os.listdir(root)
-        if n not in ("lost+found", layout.RUNLOG_DIR) and not n.startswith(layout.LOCK_PREFIX)
+        if n not in ("lost+found", naming.RUNLOG_DIR) and not n.startswith(naming.LOCK_PREFIX)
     )
 
 
 def assert_nothing_half_written(root: Path, committed: list[int]) -> None:
-    assert visible_entries(root) == [layout.step_dir_name(s) for s in committed]
+    assert visible_entries(root) == [naming.step_dir_name(s) for s in committed]
     for s in committed:
-        assert sorted(os.listdir(root / layout.step_dir_name(s))) == sorted(
-            [layout.shard_name(0, 1), layout.manifest_name(0, 1), layout.COMMIT_NAME]
+        assert sorted(os.listdir(root / naming.step_dir_name(s))) == sorted(
+            [naming.shard_name(0, 1), naming.manifest_name(0, 1), naming.COMMIT_NAME]
         )
 
 
@@ -239,7 +239,7 @@ def test_a_full_disk_counts_the_spare_shard_the_next_step_overwrites(tmp_path: P
         tier = SmallShards(root)
         with tiercheck.Checkpointer(local=tier, keep_local=1) as ckpt:
             ckpt.save(0, state(0, nbytes)).wait()
-            shard0 = root / layout.step_dir_name(0) / layout.shard_name(0, 1)
+            shard0 = root / naming.step_dir_name(0) / naming.shard_name(0, 1)
             held = os.open(shard0, os.O_RDONLY)
             try:
                 ckpt.save(1, state(1, nbytes)).wait()
@@ -250,7 +250,7 @@ def test_a_full_disk_counts_the_spare_shard_the_next_step_overwrites(tmp_path: P
                     time.sleep(0.01)
                 assert free_bytes(mnt) < nbytes  # step 2 fits only over the spare
                 ckpt.save(2, state(2, nbytes)).wait()
-                a, b = os.fstat(held), os.stat(root / layout.step_dir_name(2) / layout.shard_name(0, 1))
+                a, b = os.fstat(held), os.stat(root / naming.step_dir_name(2) / naming.shard_name(0, 1))
                 assert (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
             finally:
                 os.close(held)
@@ -392,7 +392,7 @@ def test_inode_exhaustion_mid_step(tmp_path: Path) -> None:
             assert_local_error(info.value, 2, root, errno.ENOSPC)
             ckpt.wait()
             assert ckpt.steps() == [1]
-            assert sorted(n for n in visible_entries(root) if n != "ballast") == [layout.step_dir_name(1)]
+            assert sorted(n for n in visible_entries(root) if n != "ballast") == [naming.step_dir_name(1)]
             assert os.statvfs(mnt).f_favail == 1  # the temp directory's inode was given back
             assert_restores(ckpt, 1, 64 << 10)
             shutil.rmtree(ballast_dir)
@@ -518,7 +518,7 @@ def test_read_only_in_the_middle_of_a_step(tmp_path: Path, monkeypatch: pytest.M
     with ext4(tmp_path) as mnt:
         root = mnt / "ckpt"
         original = LocalTier.write_file
-        shard_of_step_2 = layout.step_dir_name(2) + "-"
+        shard_of_step_2 = naming.step_dir_name(2) + "-"
 
         def write_then_remount(self: LocalTier, path: str, data: memoryview, aligned: bool, *args: Any) -> None:
             original(self, path, data, aligned, *args)
@@ -534,9 +534,9 @@ def test_read_only_in_the_middle_of_a_step(tmp_path: Path, monkeypatch: pytest.M
                     handle.wait()
                 assert_local_error(info.value, 2, root, errno.EROFS)
                 assert ckpt.steps() == [1]
-                leftovers = [n for n in visible_entries(root) if layout.is_leftover(n)]
+                leftovers = [n for n in visible_entries(root) if naming.is_leftover(n)]
                 assert len(leftovers) <= 1
-                assert visible_entries(root) == sorted([layout.step_dir_name(1), *leftovers])
+                assert visible_entries(root) == sorted([naming.step_dir_name(1), *leftovers])
                 assert_restores(ckpt, 1, 1 * MiB)
             finally:
                 remount(mnt, "rw")

@@ -34,10 +34,10 @@ import torch
 
 import tiercheck
 from tests.assertions import same
-from tiercheck import layout
-from tiercheck.checksum import checksum_function
 from tiercheck.errors import CheckpointCorruptedError
-from tiercheck.manifest import (
+from tiercheck.format import naming
+from tiercheck.format.checksum import checksum_function
+from tiercheck.format.manifest import (
     Manifest,
     ManifestRef,
     Marker,
@@ -48,17 +48,17 @@ from tiercheck.manifest import (
     encode_manifest,
     encode_marker,
 )
-from tiercheck.placement import JobLayout, place_state
-from tiercheck.planner import plan_shard
+from tiercheck.plan.placement import JobLayout, place_state
+from tiercheck.plan.shards import plan_shard
 
 HERE = Path(__file__).resolve().parent
 GOLDEN_ROOT = HERE / "golden" / "v1"
 FORMAT_DOC = HERE.parent / "docs" / "format.md"
 STEP = 1234
-STEP_DIR = layout.step_dir_name(STEP)
-SHARD = layout.shard_name(0, 1)
-MANIFEST = layout.manifest_name(0, 1)
-COMMIT = layout.COMMIT_NAME
+STEP_DIR = naming.step_dir_name(STEP)
+SHARD = naming.shard_name(0, 1)
+MANIFEST = naming.manifest_name(0, 1)
+COMMIT = naming.COMMIT_NAME
 FILES = (SHARD, MANIFEST, COMMIT)
 REGEN = os.environ.get("TIERCHECK_REGEN_GOLDEN") == "1"
 
@@ -331,7 +331,7 @@ def test_format_doc_examples_are_what_the_writer_produces(tmp_path: Path) -> Non
     w = torch.arange(3.0)
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
         ckpt.save(7, {"w": w, 5: (1, -0.0, b"xy"), "tied": w}).wait()
-    step_dir = tmp_path / layout.step_dir_name(7)
+    step_dir = tmp_path / naming.step_dir_name(7)
     manifest_example, marker_example = _doc_examples()
     assert json.loads(manifest_example) == json.loads((step_dir / MANIFEST).read_bytes())
     assert (marker_example.strip() + "\n").encode() == (step_dir / COMMIT).read_bytes()
@@ -507,7 +507,7 @@ def _writer_parts(
                 data = bytes(src)
             assert len(data) == leaf.nbytes
             sums.append(checksum(data))
-        shard = layout.shard_name(rank, world)
+        shard = naming.shard_name(rank, world)
         m = Manifest(
             step=step,
             rank=rank,
@@ -520,7 +520,7 @@ def _writer_parts(
         )
         manifests.append(m)
         encoded.append(encode_manifest(m))
-    refs = tuple(ManifestRef(layout.manifest_name(r, world), len(b), checksum(b)) for r, b in enumerate(encoded))
+    refs = tuple(ManifestRef(naming.manifest_name(r, world), len(b), checksum(b)) for r, b in enumerate(encoded))
     return encoded, encode_marker(Marker(step, world, "crc32c", refs)), manifests
 
 
@@ -690,7 +690,7 @@ def expected_metrics() -> dict[str, int | float]:
 def write_metrics_golden(root: Path) -> Path:
     with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
         ckpt.save(METRICS_STEP, {"w": torch.arange(3.0)}, metrics=golden_metrics()).wait()
-    return root / layout.step_dir_name(METRICS_STEP)
+    return root / naming.step_dir_name(METRICS_STEP)
 
 
 def same_metrics(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -705,7 +705,7 @@ def same_metrics(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 def test_marker_with_metrics_matches_golden_bytes(tmp_path: Path) -> None:
     produced = write_metrics_golden(tmp_path / "ckpt")
-    golden = METRICS_ROOT / layout.step_dir_name(METRICS_STEP)
+    golden = METRICS_ROOT / naming.step_dir_name(METRICS_STEP)
     if REGEN:
         shutil.rmtree(METRICS_ROOT, ignore_errors=True)
         golden.mkdir(parents=True)
@@ -724,12 +724,12 @@ def test_marker_with_metrics_matches_golden_bytes(tmp_path: Path) -> None:
 def test_golden_metrics_read_back_exactly_without_loading_tensors(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     shutil.copytree(METRICS_ROOT, root)
-    (root / layout.step_dir_name(METRICS_STEP) / SHARD).unlink()  # no tensor byte is needed
+    (root / naming.step_dir_name(METRICS_STEP) / SHARD).unlink()  # no tensor byte is needed
     with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
         same_metrics(ckpt.metrics(METRICS_STEP), expected_metrics())
         with pytest.raises(tiercheck.NoCheckpointError):
             ckpt.metrics(7)
-    same_metrics(dict(decode_marker((METRICS_ROOT / layout.step_dir_name(METRICS_STEP) / COMMIT).read_bytes(),
+    same_metrics(dict(decode_marker((METRICS_ROOT / naming.step_dir_name(METRICS_STEP) / COMMIT).read_bytes(),
                                     "m").metrics), expected_metrics())  # fmt: skip
     assert tiercheck.load(METRICS_ROOT)["w"].equal(torch.arange(3.0))
 
@@ -746,12 +746,12 @@ def test_format_doc_metrics_example_is_what_the_writer_produces(tmp_path: Path, 
     (example,) = re.findall(r"```json metrics\n(.*?)```", FORMAT_DOC.read_text("utf-8"), flags=re.S)
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
         ckpt.save(42, {"w": torch.arange(3.0)}, metrics={"val_loss": 0.31, "epoch": 3, "nan": math.nan}).wait()
-    assert (example.strip() + "\n").encode() == (tmp_path / layout.step_dir_name(42) / COMMIT).read_bytes()
+    assert (example.strip() + "\n").encode() == (tmp_path / naming.step_dir_name(42) / COMMIT).read_bytes()
     assert _errors(validators["marker"], json.loads(example)) == []
 
 
 def test_schema_accepts_the_golden_marker_with_metrics(validators: dict[str, Any]) -> None:
-    marker = json.loads((METRICS_ROOT / layout.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
+    marker = json.loads((METRICS_ROOT / naming.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
     assert _errors(validators["marker"], marker) == []
 
 
@@ -771,7 +771,7 @@ BAD_METRICS = [
 
 @pytest.mark.parametrize(("name", "node"), BAD_METRICS, ids=[f"{n[:8]!r}={v!r}"[:50] for n, v in BAD_METRICS])
 def test_schema_and_parser_reject_bad_metrics(validators: dict[str, Any], name: str, node: object) -> None:
-    doc = json.loads((METRICS_ROOT / layout.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
+    doc = json.loads((METRICS_ROOT / naming.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
     doc["metrics"] = {"ok": {"t": "int", "v": "1"}, name: node}
     assert _errors(validators["marker"], doc) != []
     with pytest.raises(CheckpointCorruptedError):
@@ -783,7 +783,7 @@ def test_schema_and_parser_reject_bad_metrics(validators: dict[str, Any], name: 
 
 
 def test_an_empty_metrics_object_is_not_what_writers_write(validators: dict[str, Any]) -> None:
-    doc = json.loads((METRICS_ROOT / layout.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
+    doc = json.loads((METRICS_ROOT / naming.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
     doc["metrics"] = {}
     assert _errors(validators["marker"], doc) != []
     with pytest.raises(CheckpointCorruptedError):

@@ -25,9 +25,11 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import goodput, layout
 from tiercheck.__main__ import main as tiercheck_main
-from tiercheck.goodput import (
+from tiercheck.format import naming
+from tiercheck.goodput import summary as goodput
+from tiercheck.goodput.runlog import read_records
+from tiercheck.goodput.summary import (
     daly_interval,
     format_duration,
     lost_fraction,
@@ -36,7 +38,6 @@ from tiercheck.goodput import (
     summarise,
     young_interval,
 )
-from tiercheck.runlog import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "goodput_worker.py"
@@ -264,7 +265,7 @@ def test_aggregated_not_one_record_per_step(tmp_path: Path) -> None:
     assert r.runs[0].iterations == 2000 and r.runs[0].furthest_step == 1999
     # The run log never counts as a step, and retention and the leftover sweep leave it.
     assert tiercheck.Checkpointer(local=tmp_path, run_log_interval=None).steps() == [1000, 1500]
-    assert (tmp_path / layout.RUNLOG_DIR / layout.runlog_file_name(0)).is_file()
+    assert (tmp_path / naming.RUNLOG_DIR / naming.runlog_file_name(0)).is_file()
 
 
 def test_restore_only_session_writes_nothing(tmp_path: Path, dir_snapshot: Any) -> None:
@@ -281,7 +282,7 @@ def test_restore_only_session_writes_nothing(tmp_path: Path, dir_snapshot: Any) 
 
 
 def test_write_failure_is_warned_once_and_training_goes_on(tmp_path: Path, caplog: Any) -> None:
-    (tmp_path / layout.RUNLOG_DIR).write_bytes(b"a file where the directory should be")
+    (tmp_path / naming.RUNLOG_DIR).write_bytes(b"a file where the directory should be")
     state = {"w": torch.zeros(10)}
     with (
         caplog.at_level(logging.WARNING, logger="tiercheck"),
@@ -291,12 +292,12 @@ def test_write_failure_is_warned_once_and_training_goes_on(tmp_path: Path, caplo
             if i % 10 == 0:
                 ckpt.save(i, state)
     warned = [r for r in caplog.records if "run log" in r.getMessage()]
-    assert len(warned) == 1 and layout.RUNLOG_DIR in warned[0].getMessage()
+    assert len(warned) == 1 and naming.RUNLOG_DIR in warned[0].getMessage()
     assert tiercheck.Checkpointer(local=tmp_path, run_log_interval=None).steps() == [0, 10, 20]
 
 
 def test_torn_line_does_not_swallow_the_next_session(tmp_path: Path) -> None:
-    log = tmp_path / layout.RUNLOG_DIR / layout.runlog_file_name(0)
+    log = tmp_path / naming.RUNLOG_DIR / naming.runlog_file_name(0)
     log.parent.mkdir(parents=True)
     log.write_bytes(b'{"v":1,"kind":"loo')  # a crash cut this line
     with tiercheck.Checkpointer(local=tmp_path) as ckpt:
@@ -474,7 +475,7 @@ def test_heartbeat_tells_how_far_a_run_got_between_flushes(tmp_path: Path) -> No
         assert p.returncode == (3 if i == 0 else 0), p.stderr
         runs.append(json.loads(out.read_text()))
     assert (runs[0]["steps"], runs[1]["restored"]) == (150, 0)
-    log = (ckpt_dir / layout.RUNLOG_DIR / layout.runlog_file_name(0)).read_bytes().decode()
+    log = (ckpt_dir / naming.RUNLOG_DIR / naming.runlog_file_name(0)).read_bytes().decode()
     first = summarise(read_records(str(ckpt_dir))[0]).runs[0]
     kinds = [json.loads(ln)["kind"] for ln in log.splitlines() if first.session in ln]
     assert kinds.count("heartbeat") == 1 and kinds.count("loop") <= 1  # aggregated: saved by the heartbeat

@@ -42,17 +42,25 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import tiercheck
-from tiercheck import layout
 from tiercheck.__main__ import main as cli
-from tiercheck.checksum import checksum_function
 from tiercheck.errors import CheckpointCorruptedError, NoCheckpointError, TierError
-from tiercheck.manifest import MAX_MANIFEST_BYTES, Manifest, ShardFile, build_entries, decode_manifest, encode_manifest
-from tiercheck.planner import plan_shard
-from tiercheck.state import JsonNode, flatten_state
+from tiercheck.format import naming
+from tiercheck.format.checksum import checksum_function
+from tiercheck.format.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ShardFile,
+    build_entries,
+    decode_manifest,
+    encode_manifest,
+)
+from tiercheck.format.tree import JsonNode
+from tiercheck.plan.shards import plan_shard
+from tiercheck.state.flatten import flatten_state
 
-SHARD = layout.shard_name(0, 1)
-MANIFEST = layout.manifest_name(0, 1)
-COMMIT = layout.COMMIT_NAME
+SHARD = naming.shard_name(0, 1)
+MANIFEST = naming.manifest_name(0, 1)
+COMMIT = naming.COMMIT_NAME
 REJECTED = (CheckpointCorruptedError, NoCheckpointError)
 
 
@@ -94,7 +102,7 @@ class Crafted:
         with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
             ckpt.save(1, make_state(1)).wait()
             ckpt.save(2, make_state(2)).wait()
-        self.dir = root / layout.step_dir_name(2)
+        self.dir = root / naming.step_dir_name(2)
         self.manifest = (self.dir / MANIFEST).read_bytes()
         self.marker = (self.dir / COMMIT).read_bytes()
         self.shard = (self.dir / SHARD).read_bytes()
@@ -447,7 +455,7 @@ def test_a_symlink_to_a_valid_copy_outside_is_refused(
         ckpt.prepare({"x": torch.zeros(1)})  # a writer now: it catches tier 2 up
         ckpt.wait()
     assert (err.value.step, err.value.tier) == (2, "remote")
-    assert not (remote / layout.step_dir_name(2)).exists()
+    assert not (remote / naming.step_dir_name(2)).exists()
 
 
 def test_a_symlink_inside_the_step_dir_is_refused_too(crafted: Crafted) -> None:
@@ -487,7 +495,7 @@ def test_an_upload_never_re_signs_a_manifest_damaged_on_tier1(
         ckpt.wait()
     assert (err.value.step, err.value.tier) == (2, "remote")
     assert str(crafted.dir / MANIFEST) in str(err.value) and "commit marker" in str(err.value)
-    assert not (remote / layout.step_dir_name(2)).exists()
+    assert not (remote / naming.step_dir_name(2)).exists()
     with pytest.raises(NoCheckpointError):  # step 1, intact, was caught up; step 2 never
         tiercheck.load(url, step=2)
 
@@ -605,9 +613,9 @@ def test_a_state_whose_manifest_is_over_the_limit_is_refused_at_save(
     """A writer never commits a step whose manifest no reader would accept: the save fails
     with a TierError naming the limit, and the step is not listed. (The limit is lowered so
     that a small state crosses it.)"""
-    import tiercheck.manifest
+    import tiercheck.format.manifest
 
-    monkeypatch.setattr(tiercheck.manifest, "MAX_MANIFEST_BYTES", 64 << 10)
+    monkeypatch.setattr(tiercheck.format.manifest, "MAX_MANIFEST_BYTES", 64 << 10)
     with tiercheck.Checkpointer(local=tmp_path / "c") as ckpt:
         ckpt.save(1, {"small": list(range(10))}).wait()
         handle = ckpt.save(2, {"many": list(range(10_000))})

@@ -19,8 +19,8 @@ pl = pytest.importorskip("pytorch_lightning")
 
 import tiercheck  # noqa: E402
 from tests.lightning_worker import Net, SaveAt, fit, weights_digest  # noqa: E402
-from tiercheck import layout  # noqa: E402
-from tiercheck.integrations.lightning import (  # noqa: E402
+from tiercheck.format import naming  # noqa: E402
+from tiercheck.integrations.lightning import (
     TiercheckIO,
     load_from_checkpoint,
     pointers_in,
@@ -36,7 +36,7 @@ ModelCheckpoint = pl.callbacks.ModelCheckpoint
 
 
 def committed(root: Path) -> list[int]:
-    return sorted(int(p.name[len("step-") :]) for p in root.glob("step-*") if (p / layout.COMMIT_NAME).is_file())
+    return sorted(int(p.name[len("step-") :]) for p in root.glob("step-*") if (p / naming.COMMIT_NAME).is_file())
 
 
 def pointer_steps(root: Path) -> dict[str, int]:

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
 from tiercheck.__main__ import main as cli
 from tiercheck.errors import DirectoryInUseError
+from tiercheck.format import naming
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tools import prune_steps
 
-STEP0 = layout.step_dir_name(0)
+STEP0 = naming.step_dir_name(0)
 NBYTES = 3 << 20
 
 
@@ -66,7 +66,7 @@ def wait_until(cond: Any, what: str, timeout: float = 60.0) -> None:
 
 
 def leftovers(root: Path) -> list[str]:
-    return sorted(n for n in os.listdir(root) if layout.is_leftover(n))
+    return sorted(n for n in os.listdir(root) if naming.is_leftover(n))
 
 
 def save_pruning(ckpt: tiercheck.Checkpointer, tier: LocalTier, steps: range) -> None:
@@ -132,7 +132,7 @@ def test_a_fork_sharing_the_lock_files_of_a_running_original(tmp_path: Path) -> 
     meets the running original's lock, and the refusal says why and how to go on. Nothing is
     written into the original's lock file, by the fork's writer or by `tiercheck prune`."""
     root, fork = tmp_path / "run7", tmp_path / "run7-fork"
-    lock, fork_lock = root / layout.lock_name(0), fork / layout.lock_name(0)
+    lock, fork_lock = root / naming.lock_name(0), fork / naming.lock_name(0)
     tier = LocalTier(root)
     with tiercheck.Checkpointer(local=tier, keep_local=1) as ckpt:
         save_pruning(ckpt, tier, range(0, 2))
@@ -147,7 +147,7 @@ def test_a_fork_sharing_the_lock_files_of_a_running_original(tmp_path: Path) -> 
         with pytest.raises(DirectoryInUseError, match="other hard link"):
             prune_steps(fork, 1)
         for name in os.listdir(fork):
-            if name.startswith(layout.LOCK_PREFIX):
+            if name.startswith(naming.LOCK_PREFIX):
                 os.unlink(fork / name)
         with tiercheck.Checkpointer(local=fork, keep_local=1) as forked:
             forked.save(5, state(5)).wait()
@@ -175,7 +175,7 @@ def test_prune_and_rm_leave_a_pinned_and_a_forked_step_intact(tmp_path: Path, co
     else:
         assert cli(["rm", str(root), "--step", "0"]) == 0
         assert cli(["rm", str(root), "--step", "1"]) == 0
-    assert sorted(n for n in os.listdir(root) if n.startswith(layout.STEP_PREFIX)) == [layout.step_dir_name(2)]
+    assert sorted(n for n in os.listdir(root) if n.startswith(naming.STEP_PREFIX)) == [naming.step_dir_name(2)]
     assert files_of(pinned) == before_pinned and files_of(fork) == before_fork
     assert_state(tiercheck.load(pinned.parent), 0)
     for step in range(3):
@@ -189,7 +189,7 @@ def test_the_reclaimer_unlinks_a_linked_file_it_finds_in_the_trash(tmp_path: Pat
     tier = LargeShards(root)
     with tiercheck.Checkpointer(local=tier, keep_local=None) as ckpt:
         ckpt.save(0, state(0)).wait()
-    trash = root / layout.trash_dir_name(0)
+    trash = root / naming.trash_dir_name(0)
     os.rename(root / STEP0, trash)
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -217,7 +217,7 @@ def test_a_spare_linked_while_held_is_not_overwritten(tmp_path: Path) -> None:
         os.link(spare, outside)
         before = outside.read_bytes()
         ckpt.save(2, state(2)).wait()
-        assert not os.path.samefile(outside, root / layout.step_dir_name(2) / spare.name)
+        assert not os.path.samefile(outside, root / naming.step_dir_name(2) / spare.name)
         assert_state(tiercheck.load(root), 2)
     assert outside.read_bytes() == before
 
@@ -274,7 +274,7 @@ def test_prune_and_rm_remove_only_the_link_of_a_symlinked_step(tmp_path: Path, c
 def test_saving_over_an_uncommitted_symlinked_step_replaces_only_the_link(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     user, _ = user_dir_as_step_0(tmp_path, root)
-    (user / layout.COMMIT_NAME).unlink()  # not a committed step: its name is free to save step 0
+    (user / naming.COMMIT_NAME).unlink()  # not a committed step: its name is free to save step 0
     before = files_of(user)
     with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
         ckpt.save(0, state(0)).wait()
@@ -291,7 +291,7 @@ def test_restore_skips_a_symlinked_newest_step_with_a_warning(tmp_path: Path) ->
     with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
         ckpt.save(1, state(1)).wait()
     user_dir_as_step_0(tmp_path, root)
-    os.rename(root / STEP0, root / layout.step_dir_name(9))
+    os.rename(root / STEP0, root / naming.step_dir_name(9))
     template = {"w": torch.zeros(NBYTES, dtype=torch.uint8), "step": -1}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -311,12 +311,12 @@ def test_links_in_the_trash_commit_and_manifest_places_are_never_followed(tmp_pa
             ckpt.save(step, state(step)).wait()
     user = tmp_path / "user"
     user.mkdir()
-    for name in (layout.COMMIT_NAME, layout.manifest_name(0, 1)):
+    for name in (naming.COMMIT_NAME, naming.manifest_name(0, 1)):
         shutil.copyfile(root / STEP0 / name, user / name)
         (root / STEP0 / name).unlink()
         (root / STEP0 / name).symlink_to(user / name)
     (user / "mine").write_bytes(b"keep me")
-    trash_link = root / layout.trash_dir_name(7)
+    trash_link = root / naming.trash_dir_name(7)
     trash_link.symlink_to(user, target_is_directory=True)
     before = files_of(user)
     assert cli(["rm", str(root), "--step", "0"]) == 0

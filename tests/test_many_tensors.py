@@ -14,11 +14,11 @@ import torch
 
 import tiercheck
 from tests.test_overlap import hold_background_copy
-from tiercheck import staging
 from tiercheck.errors import UnsupportedStateError
-from tiercheck.planner import plan_shard
-from tiercheck.state import FlatState, flatten_state
-from tiercheck.structure import StructureCache
+from tiercheck.plan.shards import plan_shard
+from tiercheck.state.flatten import FlatState, flatten_state
+from tiercheck.state.structure import StructureCache
+from tiercheck.steps import stage as staging
 
 
 def same_source(a: object, b: object) -> bool:
@@ -348,12 +348,12 @@ def test_many_small_tensors_round_trip(tmp_path: Path) -> None:
 def test_a_corrupted_small_leaf_is_named(tmp_path: Path) -> None:
     """Small entries are read and hashed in runs: a flipped byte in one of them still fails
     the restore, naming that leaf."""
-    from tiercheck import layout
+    from tiercheck.format import naming
 
     state = {f"p{i}": torch.full((64,), float(i)) for i in range(500)}
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
         ckpt.save(1, state).wait()
-    (shard,) = list(tmp_path.rglob(layout.shard_name(0, 1)))
+    (shard,) = list(tmp_path.rglob(naming.shard_name(0, 1)))
     with open(shard, "r+b") as f:  # leaf i at i * 4096 (each leaf fits one aligned block)
         f.seek(321 * 4096 + 5)
         byte = f.read(1)

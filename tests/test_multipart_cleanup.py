@@ -16,7 +16,7 @@ import torch
 
 import tiercheck
 from tests.servers.seaweedfs import SeaweedFS
-from tiercheck import layout
+from tiercheck.format import naming
 from tiercheck.tiers.remote import RemoteTier
 
 MiB = 1 << 20
@@ -87,7 +87,7 @@ def test_drain_out_of_grace_aborts_the_upload_before_sigterm(seaweedfs_healthy: 
         proc.kill()
     assert rc == -signal.SIGTERM
     assert unfinished(fs, url) == {}
-    assert (tmp_path / "l" / layout.step_dir_name(1) / layout.COMMIT_NAME).is_file()  # tier 1 drained first
+    assert (tmp_path / "l" / naming.step_dir_name(1) / naming.COMMIT_NAME).is_file()  # tier 1 drained first
 
 
 def test_restarted_writer_aborts_the_upload_a_killed_one_left(seaweedfs_healthy: SeaweedFS, tmp_path: Path) -> None:
@@ -125,25 +125,25 @@ def test_sweep_aborts_only_the_uploads_no_live_rank_owns(seaweedfs_healthy: Seaw
     (a live rank may be sending them), another name, or another prefix."""
     fs = seaweedfs_healthy.filesystem()
     url = seaweedfs_healthy.unique_url("ranks")
-    step = layout.step_dir_name(7)
+    step = naming.step_dir_name(7)
     ids = {
         name: begin(fs, f"{url}/{step}/{name}")
         for name in (
-            layout.shard_name(0, 2),
-            layout.shard_name(1, 2),
-            layout.manifest_name(1, 4),
-            layout.shard_name(3, 4),
+            naming.shard_name(0, 2),
+            naming.shard_name(1, 2),
+            naming.manifest_name(1, 4),
+            naming.shard_name(3, 4),
         )
     }
     other = {
         "user": begin(fs, f"{url}/{step}/rank-00001-of-00002.shard.bak"),
-        "sibling": begin(fs, f"{url}-other/{step}/{layout.shard_name(1, 2)}"),
+        "sibling": begin(fs, f"{url}-other/{step}/{naming.shard_name(1, 2)}"),
     }
     tier = RemoteTier(url, seaweedfs_healthy.storage_options)
     tier.sweep_before_upload(1, 2)
     tier.open_step(8, 1).abort()
     left = set(unfinished(fs, url))
-    assert left == {ids[layout.shard_name(0, 2)], ids[layout.shard_name(3, 4)], other["user"]}
+    assert left == {ids[naming.shard_name(0, 2)], ids[naming.shard_name(3, 4)], other["user"]}
     tier.open_step(9, 1).abort()  # once per writer: the same tier does not list again
     tier0 = RemoteTier(url, seaweedfs_healthy.storage_options)
     tier0.sweep_before_upload(0, 2)
@@ -158,10 +158,10 @@ def test_gcs_sweep_deletes_the_part_objects_a_killed_upload_left(gcs_server: Any
     object of a name tiercheck did not make."""
     fs = gcs_server.filesystem()
     url = gcs_server.unique_url("parts")
-    step = f"{url}/{layout.step_dir_name(7)}"
+    step = f"{url}/{naming.step_dir_name(7)}"
     mine = [
-        f"{step}/{layout.shard_name(0, 1)}.tcpart-{'a' * 12}-00001-abcdef",
-        f"{step}/{layout.shard_name(0, 1)}.tcpart-{'a' * 12}-c000",
+        f"{step}/{naming.shard_name(0, 1)}.tcpart-{'a' * 12}-00001-abcdef",
+        f"{step}/{naming.shard_name(0, 1)}.tcpart-{'a' * 12}-c000",
     ]
     theirs = f"{step}/notes.bin.tcpart-{'b' * 12}-00001-abcdef"
     for path in [*mine, theirs]:

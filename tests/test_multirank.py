@@ -21,9 +21,9 @@ import torch
 
 import tiercheck
 from tests.multirank_worker import digest, make_state, saved_view, train, zero
-from tiercheck import layout
 from tiercheck.__main__ import main as cli
-from tiercheck.state import flatten_state
+from tiercheck.format import naming
+from tiercheck.state.flatten import flatten_state
 
 REPLICATED = ("state['model']", "state['optimizer']")
 WORKER = str(Path(__file__).with_name("multirank_worker.py"))
@@ -75,7 +75,7 @@ def run_job(
 
 
 def committed(root: Path) -> list[int]:
-    return sorted(int(p.name[len("step-") :]) for p in root.glob("step-*") if (p / layout.COMMIT_NAME).is_file())
+    return sorted(int(p.name[len("step-") :]) for p in root.glob("step-*") if (p / naming.COMMIT_NAME).is_file())
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -93,13 +93,13 @@ def test_ddp_round_trip_bit_exact_with_node_local_tier(tmp_path: Path, world: in
         # Node-local: each node's directory holds only its own rank's files, and a marker.
         node = tmp_path / f"node{rank}" / "step-000000000030"
         assert sorted(p.name for p in node.iterdir()) == [
-            layout.COMMIT_NAME,
-            layout.manifest_name(rank, world),
-            layout.shard_name(rank, world),
+            naming.COMMIT_NAME,
+            naming.manifest_name(rank, world),
+            naming.shard_name(rank, world),
         ]
     # Tier 2: one step directory with every rank's part and one marker listing them all.
-    marker = json.loads((tmp_path / "remote" / "step-000000000030" / layout.COMMIT_NAME).read_text())
-    assert [m["name"] for m in marker["manifests"]] == [layout.manifest_name(r, world) for r in range(world)]
+    marker = json.loads((tmp_path / "remote" / "step-000000000030" / naming.COMMIT_NAME).read_text())
+    assert [m["name"] for m in marker["manifests"]] == [naming.manifest_name(r, world) for r in range(world)]
     assert committed(tmp_path / "remote") == [10, 20, 30]
 
 
@@ -109,7 +109,7 @@ def test_replicated_keys_are_written_once(tmp_path: Path) -> None:
     step_dir = tmp_path / "remote" / "step-000000000030"
     owners: dict[str, list[int]] = {"model": [], "optimizer": []}
     for r in range(world):
-        m = json.loads((step_dir / layout.manifest_name(r, world)).read_text())
+        m = json.loads((step_dir / naming.manifest_name(r, world)).read_text())
         assert sorted(map(tuple, m["replicated"])) == [("s", "model"), ("s", "optimizer")]
         for k, v in zip(m["tree"]["k"], m["tree"]["v"], strict=True):
             if k[1] in owners and v["t"] != "replica":
@@ -121,7 +121,7 @@ def test_replicated_keys_are_written_once(tmp_path: Path) -> None:
     assert sorted(len(v) for v in owners.values()) == [1, 1]
     assert {v[0] for v in owners.values()} == {0}
     for r in range(world):
-        tier1 = json.loads((tmp_path / f"node{r}" / "step-000000000030" / layout.manifest_name(r, world)).read_text())
+        tier1 = json.loads((tmp_path / f"node{r}" / "step-000000000030" / naming.manifest_name(r, world)).read_text())
         assert [v["t"] for v in tier1["tree"]["v"][:2]] == ["stateful", "stateful"]  # a full copy per node
     # The replicated bytes on tier 2 add up to one copy of model + optimizer, not one per rank.
     state = make_state(0)
@@ -129,7 +129,7 @@ def test_replicated_keys_are_written_once(tmp_path: Path) -> None:
     one_copy = sum(lf.nbytes for lf in flatten_state(saved_view(state)).leaves if lf.path.startswith(REPLICATED))
     stored = 0
     for r in range(world):
-        m = json.loads((step_dir / layout.manifest_name(r, world)).read_text())
+        m = json.loads((step_dir / naming.manifest_name(r, world)).read_text())
         stored += sum(e["length"] for e in m["entries"] if e["path"].startswith(REPLICATED))
     assert stored == one_copy > 0
 
@@ -141,28 +141,28 @@ def test_shared_tier1_directory_one_marker(tmp_path: Path) -> None:
         assert not res["warnings"], res["warnings"]  # everything read from the shared tier 1
     step_dir = tmp_path / "shared" / "step-000000000030"
     assert sorted(p.name for p in step_dir.iterdir()) == sorted(
-        [layout.COMMIT_NAME] + [f(r, 2) for r in range(2) for f in (layout.manifest_name, layout.shard_name)]
+        [naming.COMMIT_NAME] + [f(r, 2) for r in range(2) for f in (naming.manifest_name, naming.shard_name)]
     )
     assert committed(tmp_path / "shared") == [20, 30]
     shared = tmp_path / "shared"
     # no temp left; each rank wrote under its own lock
-    assert sorted(p.name for p in shared.iterdir() if p.name.startswith(".") and p.name != layout.RUNLOG_DIR) == [
-        layout.lock_name(0),
-        layout.lock_name(1),
+    assert sorted(p.name for p in shared.iterdir() if p.name.startswith(".") and p.name != naming.RUNLOG_DIR) == [
+        naming.lock_name(0),
+        naming.lock_name(1),
     ]
     # Each rank keeps its own run log in the directory the ranks share.
-    assert sorted(p.name for p in (shared / layout.RUNLOG_DIR).iterdir()) == [
-        layout.runlog_file_name(0),
-        layout.runlog_file_name(1),
+    assert sorted(p.name for p in (shared / naming.RUNLOG_DIR).iterdir()) == [
+        naming.runlog_file_name(0),
+        naming.runlog_file_name(1),
     ]
 
 
 def test_damaged_tier1_copy_on_one_rank_reads_tier2_and_others_keep_tier1(tmp_path: Path) -> None:
     run_job("roundtrip", 2, tmp_path)
     step_dir = tmp_path / "node1" / "step-000000000030"
-    manifest = json.loads((step_dir / layout.manifest_name(1, 2)).read_text())
+    manifest = json.loads((step_dir / naming.manifest_name(1, 2)).read_text())
     (entry,) = [e for e in manifest["entries"] if e["path"] == "state['shard']"]
-    shard = step_dir / layout.shard_name(1, 2)
+    shard = step_dir / naming.shard_name(1, 2)
     data = bytearray(shard.read_bytes())
     data[entry["offset"]] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -184,8 +184,8 @@ def test_step_missing_for_one_rank_everyone_restores_an_older_step(tmp_path: Pat
     assert older is not None
     # Rank 1's part of step 30 is gone from its node and from tier 2: no rank may restore 30.
     for p in (
-        tmp_path / "node1" / "step-000000000030" / layout.shard_name(1, 2),
-        tmp_path / "remote" / "step-000000000030" / layout.shard_name(1, 2),
+        tmp_path / "node1" / "step-000000000030" / naming.shard_name(1, 2),
+        tmp_path / "remote" / "step-000000000030" / naming.shard_name(1, 2),
     ):
         p.unlink()
     restored, _ = run_job("restore_only", 2, tmp_path, env={"MR_KEYS": "model,optimizer,shard"})
@@ -214,8 +214,8 @@ def test_rank_killed_mid_save_others_fail_within_timeout_and_previous_step_resto
         # (files, as an object store sees them; file:// may keep an empty directory), the
         # writer lock of the rank writing there (rank r writes node<r>); the run log is on
         # tier 1 only
-        locks = {layout.lock_name(int(d.name[4:]))} if d.name.startswith("node") else set()
-        assert {p.relative_to(d).parts[0] for p in d.rglob("*") if p.is_file()} - {layout.RUNLOG_DIR} == {
+        locks = {naming.lock_name(int(d.name[4:]))} if d.name.startswith("node") else set()
+        assert {p.relative_to(d).parts[0] for p in d.rglob("*") if p.is_file()} - {naming.RUNLOG_DIR} == {
             "step-000000000010",
             "step-000000000030",
         } | locks, d
@@ -306,7 +306,7 @@ def test_node_local_tier1_without_tier2_keeps_a_replicated_copy_per_node(tmp_pat
     for rank, res in enumerate(results):
         assert res is not None and res["restored_step"] == 30 and res["restored"] == res["saved"]
         assert not res["warnings"], res["warnings"]
-        m = json.loads((tmp_path / f"node{rank}" / "step-000000000030" / layout.manifest_name(rank, 2)).read_text())
+        m = json.loads((tmp_path / f"node{rank}" / "step-000000000030" / naming.manifest_name(rank, 2)).read_text())
         assert [v["t"] for v in m["tree"]["v"][:2]] == ["stateful", "stateful"]  # model, optimizer held here
     # A job of another size on the second node restores the replicated keys from its own disk.
     state = make_state(0, seed=4)
@@ -334,7 +334,7 @@ def test_newest_step_only_on_node_local_tier1_restores_from_tier1(tmp_path: Path
         assert res is not None and res["restored_step"] == 30 and not res["warnings"], res
     assert committed(tmp_path / "remote") == [10, 20, 30]
     step_dir = tmp_path / "remote" / "step-000000000030"
-    trees = [json.loads((step_dir / layout.manifest_name(r, 2)).read_text())["tree"] for r in range(2)]
+    trees = [json.loads((step_dir / naming.manifest_name(r, 2)).read_text())["tree"] for r in range(2)]
     assert [v["t"] for v in trees[0]["v"][:2]] == ["stateful", "stateful"]
     assert trees[1]["v"][:2] == [{"t": "replica", "r": 0}, {"t": "replica", "r": 0}]
     assert cli(["verify", f"file://{tmp_path}/remote", "--step", "30"]) == 0
@@ -361,7 +361,7 @@ def test_two_nodes_of_two_ranks_each_node_holds_a_copy_and_tier2_one(tmp_path: P
     def owners(step_dir: Path, ranks: range) -> dict[str, list[int]]:
         held: dict[str, list[int]] = {"model": [], "optimizer": []}
         for r in ranks:
-            m = json.loads((step_dir / layout.manifest_name(r, world)).read_text())
+            m = json.loads((step_dir / naming.manifest_name(r, world)).read_text())
             for k, v in zip(m["tree"]["k"], m["tree"]["v"], strict=True):
                 if k[1] in held and v["t"] != "replica":
                     held[k[1]].append(r)

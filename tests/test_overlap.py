@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import staging
+from tiercheck.steps import stage as staging
 
 
 def make_training(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
@@ -57,7 +57,7 @@ def hold_background_copy(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
             assert release.wait(60)  # generous: a busy machine
         original(buf, flat, plan, deferred, progress)
 
-    monkeypatch.setattr("tiercheck.pipeline.stage_into", slow_stage)
+    monkeypatch.setattr("tiercheck.engine.pipeline.stage_into", slow_stage)
     return release
 
 

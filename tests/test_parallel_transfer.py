@@ -26,15 +26,15 @@ import torch
 
 import tiercheck
 from tests.servers import FaultProxy, ObjectStoreServer, SeaweedFS, ShapingProxy
-from tiercheck import layout
-from tiercheck.retry import RetryPolicy
+from tiercheck.format import naming
 from tiercheck.tiers import multipart
 from tiercheck.tiers.multipart import S3_LIMITS, part_size_for
 from tiercheck.tiers.remote import RemoteTier
+from tiercheck.tiers.retry import RetryPolicy
 
 MiB = 1 << 20
 SERVERS = ["seaweedfs", "azurite", "gcs_server"]
-SHARD = layout.shard_name(0, 1)
+SHARD = naming.shard_name(0, 1)
 
 
 def payload(n: int, seed: int = 0) -> bytes:
@@ -114,8 +114,8 @@ def test_multipart_round_trip_from_memory_file_and_stream(server: ObjectStoreSer
     stored = w.write_from_path("c.bin", str(local), compress=True)  # random bytes: zstd keeps them
     fs = server.filesystem()
     for name, size in (("a.bin", len(data)), ("b.bin", len(data)), ("c.bin", stored)):
-        assert fs.info(f"{object_path(fs, url)}/{layout.step_dir_name(1)}/{name}")["size"] == size
-    assert fs.cat_file(f"{object_path(fs, url)}/{layout.step_dir_name(1)}/b.bin") == data
+        assert fs.info(f"{object_path(fs, url)}/{naming.step_dir_name(1)}/{name}")["size"] == size
+    assert fs.cat_file(f"{object_path(fs, url)}/{naming.step_dir_name(1)}/b.bin") == data
     f = tier.open_file(1, "a.bin")
     try:
         for offset, n in [(0, len(data)), (5 * MiB - 3, 7), (3, 5 * MiB), (len(data) - 10, 10), (MiB, 9 * MiB + 1)]:
@@ -132,7 +132,7 @@ def test_multipart_round_trip_from_memory_file_and_stream(server: ObjectStoreSer
         f.close()
     w.commit(b"{}")
     # nothing but the files: no part objects, no multipart upload still open
-    left = leftovers(server, f"{url}/{layout.step_dir_name(1)}/x")
+    left = leftovers(server, f"{url}/{naming.step_dir_name(1)}/x")
     assert sorted(p.rsplit("/", 1)[-1] for p in left) == ["COMMIT", "a.bin", "b.bin", "c.bin"], left
 
 
@@ -241,7 +241,7 @@ def test_upload_cut_by_a_failure_leaves_nothing_behind(server: ObjectStoreServer
     w = tier.open_step(1, 0)
     with pytest.raises(OSError, match="input/output error"):
         w.write_chunks(SHARD, lambda: _failing_stream(data, 12 * MiB, 1.0), len(data))
-    assert leftovers(server, f"{url}/{layout.step_dir_name(1)}/{SHARD}") == []
+    assert leftovers(server, f"{url}/{naming.step_dir_name(1)}/{SHARD}") == []
     assert tier.committed_steps() == [] and tier.stray_steps() == []
 
 
@@ -261,7 +261,7 @@ def test_upload_cut_by_the_network_is_aborted_and_never_listed(seaweedfs_healthy
         w.abort()
         assert proxy.stats()["reset"] >= 2
     assert not isinstance(info.value, AssertionError)
-    assert leftovers(server, f"{url}/{layout.step_dir_name(1)}/{SHARD}") == []
+    assert leftovers(server, f"{url}/{naming.step_dir_name(1)}/{SHARD}") == []
     assert RemoteTier(url, server.storage_options).committed_steps() == []
 
 
@@ -309,7 +309,7 @@ def test_restore_from_the_bucket_checks_every_byte(seaweedfs_healthy: SeaweedFS,
     with tiercheck.Checkpointer(remote=url, storage_options=server.storage_options) as c:
         c.save(1, state).wait(timeout=60)
     fs = server.filesystem()
-    path = f"{object_path(fs, url)}/{layout.step_dir_name(1)}/{SHARD}"
+    path = f"{object_path(fs, url)}/{naming.step_dir_name(1)}/{SHARD}"
     raw = bytearray(fs.cat_file(path))
     raw[len(raw) // 2 + 3] ^= 0x10
     fs.pipe_file(path, bytes(raw))

@@ -22,9 +22,10 @@ from faulty_fs import Faults  # as the other tests: one module, one registered p
 
 import tiercheck
 from tests.multirank_worker import digest
-from tiercheck import Every, KeepBest, KeepEvery, KeepLast, layout
-from tiercheck.retention import KeepAll, best_steps, plan_deletions
-from tiercheck.schedule import AnyDue
+from tiercheck import Every, KeepBest, KeepEvery, KeepLast
+from tiercheck.format import naming
+from tiercheck.plan.retention import KeepAll, best_steps, plan_deletions
+from tiercheck.plan.schedule import AnyDue
 from tiercheck.testing import Faults as TierFaults
 from tiercheck.testing import FaultyTier
 from tiercheck.tiers.local import LocalTier
@@ -33,7 +34,7 @@ WORKER = str(Path(__file__).with_name("multirank_worker.py"))
 
 
 def committed(root: Path) -> list[int]:
-    return sorted(int(p.name[len("step-") :]) for p in root.glob("step-*") if (p / layout.COMMIT_NAME).is_file())
+    return sorted(int(p.name[len("step-") :]) for p in root.glob("step-*") if (p / naming.COMMIT_NAME).is_file())
 
 
 # ------------------------------------------------------------------ save policies (pure)
@@ -232,8 +233,8 @@ def test_delete_removes_a_step_from_every_tier(tmp_path: Path) -> None:
         ckpt.wait()
         ckpt.delete(2)
         assert ckpt.steps("local") == [1, 3] and ckpt.steps("remote") == [1, 3]
-        assert not (tmp_path / "local" / layout.step_dir_name(2)).exists()
-        assert not (remote / layout.step_dir_name(2)).exists()
+        assert not (tmp_path / "local" / naming.step_dir_name(2)).exists()
+        assert not (remote / naming.step_dir_name(2)).exists()
         with pytest.raises(tiercheck.NoCheckpointError):
             ckpt.delete(2)
         with pytest.raises(tiercheck.NoCheckpointError):
@@ -422,13 +423,13 @@ def test_metrics_are_stored_with_the_step_and_read_without_tensors(
         assert math.isnan(m2["val_loss"]) and math.copysign(1, m2["acc"]) == -1 and m2["n"] == 2**70
         assert ckpt.metrics(3) == {}
     for step in (1, 2, 3):
-        (tmp_path / layout.step_dir_name(step) / layout.shard_name(0, 1)).unlink()
+        (tmp_path / naming.step_dir_name(step) / naming.shard_name(0, 1)).unlink()
     capsys.readouterr()
     assert cli(["ls", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("\tval_loss=0.25 epoch=0")
     assert lines[1].endswith(f"\tval_loss=nan acc=-0.0 n={2**70}")
-    assert lines[2].endswith(layout.step_dir_name(3))
+    assert lines[2].endswith(naming.step_dir_name(3))
 
 
 @pytest.mark.parametrize(

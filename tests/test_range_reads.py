@@ -19,15 +19,15 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
-from tiercheck.restore import read_step
-from tiercheck.retry import RetryPolicy
+from tiercheck.format import naming
+from tiercheck.steps.restore import read_step
 from tiercheck.tiers import multipart
 from tiercheck.tiers.multipart import MAX_READ_PIECE, MIN_READ_PIECE, RangeReader, read_piece_size
 from tiercheck.tiers.remote import RemoteTier
+from tiercheck.tiers.retry import RetryPolicy
 
 MiB = 1 << 20
-SHARD = layout.shard_name(0, 1)
+SHARD = naming.shard_name(0, 1)
 WAIT_S = 30.0  # generous: a busy 2-core machine
 
 
@@ -256,7 +256,7 @@ def test_a_flipped_byte_in_any_range_is_caught_while_ranges_complete_out_of_orde
     state = state_of(24, seed=5)
     url = saved(f"flip-{where}", state)
     tier = RemoteTier(url, concurrency=8)
-    path = f"{tier.root}/{layout.step_dir_name(1)}/{SHARD}"
+    path = f"{tier.root}/{naming.step_dir_name(1)}/{SHARD}"
     raw = bytearray(tier.fs.cat_file(path))
     piece = read_piece_size(len(raw), 8)
     count = -(-len(raw) // piece)
@@ -294,7 +294,7 @@ def test_marker_and_manifest_come_in_one_round_trip() -> None:
     orig = tier.read_bytes
 
     def read_bytes(step: int, name: str, limit: int) -> bytes:
-        if name == layout.COMMIT_NAME:
+        if name == naming.COMMIT_NAME:
             overlapped.append(manifest_asked.wait(5.0))
         elif name.endswith(".manifest.json"):
             manifest_asked.set()
@@ -322,8 +322,8 @@ def test_a_guessed_manifest_is_used_only_if_the_marker_vouches_for_it() -> None:
     assert torch.equal(tmpl["t000"], state["t000"])
     with pytest.raises(tiercheck.NoCheckpointError, match="no rank 1"):
         read_step(tier, 1, 1, tmpl, strict=True, world_size=None)
-    name = layout.manifest_name(0, 1)
-    path = f"{tier.root}/{layout.step_dir_name(1)}/{name}"
+    name = naming.manifest_name(0, 1)
+    path = f"{tier.root}/{naming.step_dir_name(1)}/{name}"
     raw = bytearray(tier.fs.cat_file(path))
     raw[len(raw) // 2] ^= 0x20
     tier.fs.pipe_file(path, bytes(raw))

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import tiercheck
-import tiercheck.__main__ as cli
+import tiercheck.cli.main as cli
 import tiercheck.tools.view as view
-from tiercheck import layout
+from tiercheck.format import naming
 from tiercheck.testing import FaultyTier
 from tiercheck.tiers import open_tier
 from tiercheck.tiers.base import ReadableFile, Tier
@@ -115,7 +115,7 @@ class PruneWhileReading(FaultyTier):
             self.job.prune(self.step, held)
 
     def read_bytes(self, step: int, name: str, limit: int) -> bytes:
-        if step == self.step and name != layout.COMMIT_NAME and self.job.mode == "before-manifest":
+        if step == self.step and name != naming.COMMIT_NAME and self.job.mode == "before-manifest":
             self._prune(None)
         return super().read_bytes(step, name, limit)
 
@@ -181,7 +181,7 @@ def test_verify_still_fails_a_damaged_step_that_stays_committed(tmp_path, monkey
         j.save()
     finally:
         j.close()
-    shard = j.root / layout.step_dir_name(1) / layout.shard_name(0, 1)
+    shard = j.root / naming.step_dir_name(1) / naming.shard_name(0, 1)
     data = bytearray(shard.read_bytes())
     data[100] ^= 1
     shard.write_bytes(bytes(data))

@@ -16,12 +16,13 @@ import zstandard
 
 import tiercheck
 from tests.test_replica_format import CHECKSUM, STEP, rank_state, two_rank_parts, write_step
-from tiercheck import layout
 from tiercheck.__main__ import main
 from tiercheck.errors import CheckpointCorruptedError
-from tiercheck.manifest import decode_manifest, decode_marker, encode_manifest, encode_marker
-from tiercheck.restore import restore_from
-from tiercheck.state import decode_plain, flatten_state
+from tiercheck.format import naming
+from tiercheck.format.manifest import decode_manifest, decode_marker, encode_manifest, encode_marker
+from tiercheck.format.tree import decode_plain
+from tiercheck.state.flatten import flatten_state
+from tiercheck.steps.restore import restore_from
 from tiercheck.tiers import codec
 from tiercheck.tiers.base import ReadableFile
 from tiercheck.tiers.local import LocalTier
@@ -37,19 +38,19 @@ def _unlist_on_owner(root: Path, key: list[str]) -> None:
     """Drop `key` from rank 0's `replicated` list (its value stays in rank 0's tree, now as
     a per-rank value) while rank 1 still refers to rank 0 for it; re-encode that manifest
     and the marker's checksum of it with the library's encoders, so both verify."""
-    step_dir = root / layout.step_dir_name(STEP)
-    path = step_dir / layout.manifest_name(0, 2)
+    step_dir = root / naming.step_dir_name(STEP)
+    path = step_dir / naming.manifest_name(0, 2)
     owner = decode_manifest(path.read_bytes(), "rank 0")
     assert tuple(key) in owner.replicated
     edited = dataclasses.replace(owner, replicated=tuple(k for k in owner.replicated if list(k) != key))
     data = encode_manifest(edited)
     path.write_bytes(data)
-    marker = decode_marker((step_dir / layout.COMMIT_NAME).read_bytes(), "marker")
+    marker = decode_marker((step_dir / naming.COMMIT_NAME).read_bytes(), "marker")
     refs = tuple(
         dataclasses.replace(r, length=len(data), checksum=CHECKSUM(data)) if r.file == path.name else r
         for r in marker.manifests
     )
-    (step_dir / layout.COMMIT_NAME).write_bytes(encode_marker(dataclasses.replace(marker, manifests=refs)))
+    (step_dir / naming.COMMIT_NAME).write_bytes(encode_marker(dataclasses.replace(marker, manifests=refs)))
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def test_a_replica_the_owner_does_not_list_is_refused_by_every_reader(
     unlisted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tier = LocalTier(unlisted)
-    before = {p.name: p.read_bytes() for p in (unlisted / layout.step_dir_name(STEP)).iterdir()}
+    before = {p.name: p.read_bytes() for p in (unlisted / naming.step_dir_name(STEP)).iterdir()}
     # The edited step itself is well formed: rank 0 reads its own view, "model" per rank.
     assert torch.equal(tiercheck.load(unlisted, STEP, rank=0)["model"]["w"], rank_state(0)["model"]["w"])
     template = rank_state(1)
@@ -85,7 +86,7 @@ def test_a_replica_the_owner_does_not_list_is_refused_by_every_reader(
         error = json.loads(capsys.readouterr().out)["error"]
         assert (code, error["type"]) == (1, "CheckpointCorruptedError"), argv
         assert "does not hold the replicated key 'model' that rank 1 refers to" in error["message"]
-    assert {p.name: p.read_bytes() for p in (unlisted / layout.step_dir_name(STEP)).iterdir()} == before
+    assert {p.name: p.read_bytes() for p in (unlisted / naming.step_dir_name(STEP)).iterdir()} == before
 
 
 # ------------------------------------------------------------------ plain values

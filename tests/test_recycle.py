@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 from tiercheck.tiers.local import LocalTier
 
-SHARD = layout.shard_name(0, 1)
+SHARD = naming.shard_name(0, 1)
 
 
 class SmallShards(LocalTier):
@@ -41,7 +41,7 @@ def restored(ckpt: tiercheck.Checkpointer, nbytes: int) -> dict[str, Any]:
 
 
 def shard(root: Path, step: int) -> Path:
-    return root / layout.step_dir_name(step) / SHARD
+    return root / naming.step_dir_name(step) / SHARD
 
 
 def wait_until(cond: Any, what: str, timeout: float = 20.0) -> None:
@@ -68,7 +68,7 @@ def same_file(fd: int, path: Path) -> bool:
 
 
 def trash_dirs(root: Path) -> list[str]:
-    return [n for n in os.listdir(root) if n.startswith(layout.TRASH_PREFIX)]
+    return [n for n in os.listdir(root) if n.startswith(naming.TRASH_PREFIX)]
 
 
 def test_a_later_step_overwrites_a_deleted_steps_shard_in_place(tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_a_later_step_overwrites_a_deleted_steps_shard_in_place(tmp_path: Path) 
         assert same_file(held["step0"], shard(root, 2))
         # Step 0's emptied trash directory went with its spare. (Step 1's may be there
         # already: retention runs after the step is durable, which is all wait() promises.)
-        assert [n for n in trash_dirs(root) if layout.step_dir_name(0) in n] == []
+        assert [n for n in trash_dirs(root) if naming.step_dir_name(0) in n] == []
         got = restored(ckpt, 3 << 20)
         assert got["step"] == 2 and torch.equal(got["w"], state(2)["w"])
         assert tiercheck.load(str(root))["w"].equal(state(2)["w"])
@@ -93,7 +93,7 @@ def test_a_later_step_overwrites_a_deleted_steps_shard_in_place(tmp_path: Path) 
         wait_until(lambda: tier.spare_bytes > 0, "step 1's shard as the spare")
     # close frees the spare it held (paced truncates, then the unlink)
     assert trash_dirs(root) == []
-    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [layout.step_dir_name(2)]
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [naming.step_dir_name(2)]
 
 
 def test_the_spare_is_trimmed_or_extended_to_a_resized_state(tmp_path: Path) -> None:

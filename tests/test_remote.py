@@ -21,12 +21,13 @@ import torch
 from faulty_fs import OPS, Faults, FaultyMemoryFileSystem
 
 import tiercheck
-from tiercheck import KeepEvery, KeepLast, layout
+from tiercheck import KeepEvery, KeepLast
 from tiercheck.errors import UploadSkippedError
+from tiercheck.format import naming
 
-SHARD = layout.shard_name(0, 1)
-MANIFEST = layout.manifest_name(0, 1)
-COMMIT = layout.COMMIT_NAME
+SHARD = naming.shard_name(0, 1)
+MANIFEST = naming.manifest_name(0, 1)
+COMMIT = naming.COMMIT_NAME
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -70,7 +71,7 @@ def eventually(cond: Callable[[], object], timeout: float = 15.0, what: str = "c
 
 def step_path(root: str, step: int, name: str | None = None) -> str:
     """The path of a step (or a file of it) in the faulty store (no protocol)."""
-    d = f"/{root}/{layout.step_dir_name(step)}"
+    d = f"/{root}/{naming.step_dir_name(step)}"
     return d if name is None else f"{d}/{name}"
 
 
@@ -125,7 +126,7 @@ def make(tmp_path: Path, faults: Faults, bucket: str) -> Iterator[Callable[..., 
 
 
 def local_step_dir(tmp_path: Path, step: int) -> Path:
-    return tmp_path / "local" / layout.step_dir_name(step)
+    return tmp_path / "local" / naming.step_dir_name(step)
 
 
 def down(faults: Faults, exc: type[BaseException] = ConnectionRefusedError, ops: tuple[str, ...] = ()) -> None:
@@ -212,7 +213,7 @@ def test_uploaded_files_equal_local_files(make: Callable[..., tiercheck.Checkpoi
     ckpt = make(remote=remote)
     ckpt.save(5, state_of(5)).wait()
     local_dir = local_step_dir(tmp_path, 5)
-    remote_dir = tmp_path / "bucket" / layout.step_dir_name(5)
+    remote_dir = tmp_path / "bucket" / naming.step_dir_name(5)
     assert sorted(p.name for p in remote_dir.iterdir()) == sorted(p.name for p in local_dir.iterdir())
     for p in local_dir.iterdir():
         assert (remote_dir / p.name).read_bytes() == p.read_bytes(), p.name
@@ -226,9 +227,9 @@ def test_compressed_upload_from_tier1_restores_on_a_fresh_node(
     st["zeros"] = torch.zeros(1 << 18)
     ckpt.save(6, st).wait()
     fs, root = fsspec.core.url_to_fs(mem_url)
-    manifest = json.loads(fs.cat_file(f"{root}/{layout.step_dir_name(6)}/{MANIFEST}"))
+    manifest = json.loads(fs.cat_file(f"{root}/{naming.step_dir_name(6)}/{MANIFEST}"))
     assert manifest["files"][0]["codec"] == "zstd"
-    assert fs.info(f"{root}/{layout.step_dir_name(6)}/{SHARD}")["size"] < manifest["files"][0]["length"]
+    assert fs.info(f"{root}/{naming.step_dir_name(6)}/{SHARD}")["size"] < manifest["files"][0]["length"]
     # the local copy stays raw
     local_manifest = json.loads((local_step_dir(tmp_path, 6) / MANIFEST).read_bytes())
     assert "codec" not in local_manifest["files"][0]
@@ -280,7 +281,7 @@ def test_local_step_kept_until_slow_upload_finishes(
     make: Callable[..., tiercheck.Checkpointer], faults: Faults, bucket: str
 ) -> None:
     ckpt = make(keep_local=1, keep_remote=1)
-    faults.slow(60, ops={"write"}, path=layout.step_dir_name(1))
+    faults.slow(60, ops={"write"}, path=naming.step_dir_name(1))
     h1 = ckpt.save(1, state_of(1))
     eventually(lambda: faults.events("write", under=step_path(bucket, 1)), what="step 1's upload to start")
     ckpt.save(2, state_of(2)).wait("local", timeout=10)
@@ -293,7 +294,7 @@ def test_local_step_kept_until_slow_upload_finishes(
     assert ckpt.steps("local") == [3]
     # step 2 was superseded (upload_backlog="newest"), and keep_remote=1 deleted step 1 after 3
     assert ckpt.steps("remote") == [3]
-    assert [p for p in faults.written() if layout.step_dir_name(2) in p] == []
+    assert [p for p in faults.written() if naming.step_dir_name(2) in p] == []
 
 
 def _outage_then_saves(
@@ -326,7 +327,7 @@ def test_backlog_newest_uploads_only_the_newest_pending(
     handles[-1].wait("remote", timeout=20)
     ckpt.wait()  # skipping is policy, not an error: nothing is raised
     assert ckpt.steps("remote") == [5]
-    assert [p for p in faults.written() if layout.step_dir_name(1) in p] != []  # 1 was uploaded, then pruned
+    assert [p for p in faults.written() if naming.step_dir_name(1) in p] != []  # 1 was uploaded, then pruned
     assert ckpt.steps("local") == [5]
     fs = FaultyMemoryFileSystem(skip_instance_cache=True)
     for s in (2, 3, 4):
@@ -372,7 +373,7 @@ def test_backlog_never_skips_a_milestone(
     # and must reach tier 2 however far behind the uploads are; it used to be skipped, then
     # pruned from tier 1, and end on no tier while wait() raised nothing.
     ckpt = make(keep_local=2, keep_remote=KeepLast(2) | KeepEvery(10), upload_backlog="newest")
-    faults.slow(60, ops={"write"}, path=layout.step_dir_name(5))  # uploads fall behind
+    faults.slow(60, ops={"write"}, path=naming.step_dir_name(5))  # uploads fall behind
     ckpt.save(5, state_of(5))
     eventually(lambda: faults.events("write", under=step_path(bucket, 5)), what="step 5's upload to start")
     handles = {s: ckpt.save(s, state_of(s)) for s in (10, 15, 20)}
@@ -392,7 +393,7 @@ def test_backlog_uploads_milestones_and_skips_only_what_tier2_would_delete(
 ) -> None:
     # KeepEvery(10) on both tiers: milestones used to stay on tier 1 and never be uploaded.
     ckpt = make(keep_local=KeepEvery(10), keep_remote=KeepEvery(10), upload_backlog="newest")
-    faults.slow(60, ops={"write"}, path=layout.step_dir_name(5))
+    faults.slow(60, ops={"write"}, path=naming.step_dir_name(5))
     ckpt.save(5, state_of(5))
     eventually(lambda: faults.events("write", under=step_path(bucket, 5)), what="step 5's upload to start")
     handles = {s: ckpt.save(s, state_of(s)) for s in (10, 15, 20)}
@@ -414,7 +415,7 @@ def test_a_milestone_that_cannot_be_uploaded_stays_on_tier1(
 ) -> None:
     policy = KeepLast(1) | KeepEvery(10)
     ckpt = make(keep_local=1, keep_remote=policy)
-    faults.fail(PermissionError, ops={"write"}, path=layout.step_dir_name(10))  # not retried
+    faults.fail(PermissionError, ops={"write"}, path=naming.step_dir_name(10))  # not retried
     ckpt.save(5, state_of(5)).wait()
     with pytest.raises(tiercheck.TierError) as raised:
         ckpt.save(10, state_of(10)).wait(timeout=10)
@@ -647,7 +648,7 @@ def test_outage_beyond_the_retry_budget_is_raised_once(
     err = info.value
     assert err.tier == "remote"
     assert err.step == 2
-    assert layout.step_dir_name(2) in err.path
+    assert naming.step_dir_name(2) in err.path
     assert err.path.startswith(f"faultymem://{bucket}")
     assert isinstance(err.__cause__, ConnectionRefusedError)
     assert isinstance(err, tiercheck.TiercheckError) and isinstance(err, OSError)
@@ -806,7 +807,7 @@ def test_step_copied_by_hand_is_recognised(tmp_path: Path) -> None:
             ckpt.save(s, state_of(s))
     bucket = tmp_path / "bucket" / "run"
     bucket.mkdir(parents=True)
-    shutil.copytree(local_step_dir(tmp_path, 8), bucket / layout.step_dir_name(8))  # like `aws s3 cp`
+    shutil.copytree(local_step_dir(tmp_path, 8), bucket / naming.step_dir_name(8))  # like `aws s3 cp`
     url = f"file://{bucket}"
     with tiercheck.Checkpointer(remote=url) as remote_only:
         assert remote_only.steps("remote") == [8]
@@ -825,7 +826,7 @@ def test_compressed_remote_step_copied_to_a_local_dir_is_recognised(tmp_path: Pa
         ckpt.save(3, state_of(3))
     local = tmp_path / "copied"
     local.mkdir()
-    shutil.copytree(tmp_path / "bucket" / layout.step_dir_name(3), local / layout.step_dir_name(3))
+    shutil.copytree(tmp_path / "bucket" / naming.step_dir_name(3), local / naming.step_dir_name(3))
     assert_state(tiercheck.load(local), 3)
     with tiercheck.Checkpointer(local=local) as ckpt:
         step, got = restored(ckpt)

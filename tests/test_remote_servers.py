@@ -23,14 +23,14 @@ import torch
 
 import tiercheck
 from tests.servers import ObjectStoreServer, ProxiedServer, SeaweedFS
-from tiercheck import layout
 from tiercheck.errors import UploadSkippedError
+from tiercheck.format import naming
 
 MiB = 1 << 20
 SERVERS = ["seaweedfs", "azurite", "gcs_server"]
-SHARD = layout.shard_name(0, 1)
-MANIFEST = layout.manifest_name(0, 1)
-COMMIT = layout.COMMIT_NAME
+SHARD = naming.shard_name(0, 1)
+MANIFEST = naming.manifest_name(0, 1)
+COMMIT = naming.COMMIT_NAME
 
 # Generous upper bounds (seconds) for a 2-core machine that other jobs share.
 FAST_SAVE_S = 5.0  # one save() of a few MiB, whatever the remote tier is doing
@@ -131,7 +131,7 @@ def listing(fs: Any, url: str) -> dict[str, dict[str, int]]:
 def committed(fs: Any, url: str) -> list[int]:
     steps = []
     for d, files in listing(fs, url).items():
-        s = layout.parse_step_dir(d)
+        s = naming.parse_step_dir(d)
         if s is not None and COMMIT in files:
             steps.append(s)
     return sorted(steps)
@@ -167,7 +167,7 @@ class Watcher:
             if seen is not None:
                 self.polls += 1
                 for d, files in seen.items():
-                    step = layout.parse_step_dir(d)
+                    step = naming.parse_step_dir(d)
                     if step is None:
                         continue
                     if COMMIT not in files:
@@ -181,7 +181,7 @@ class Watcher:
 
 def local_shard_size(local: Path) -> Callable[[int], int | None]:
     def size(step: int) -> int | None:
-        p = local / layout.step_dir_name(step) / SHARD
+        p = local / naming.step_dir_name(step) / SHARD
         return p.stat().st_size if p.exists() else None
 
     return size
@@ -271,9 +271,9 @@ def test_round_trip_retention_fresh_node_and_load(server: ObjectStoreServer, tmp
     seen = listing(fs, url)
     assert committed(fs, url) == [3, 4]
     for s in (3, 4):
-        files = seen[layout.step_dir_name(s)]
+        files = seen[naming.step_dir_name(s)]
         assert set(files) == {SHARD, MANIFEST, COMMIT}
-        assert files[SHARD] == (tmp_path / "node1" / layout.step_dir_name(s) / SHARD).stat().st_size
+        assert files[SHARD] == (tmp_path / "node1" / naming.step_dir_name(s) / SHARD).stat().st_size
     # A fresh node with an empty local directory restores the newest step from the bucket.
     assert restore_fresh(tmp_path, url, opts, states[4]) == 4
     # ...and an older one by number.
@@ -299,8 +299,8 @@ def test_zstd_round_trip(server: ObjectStoreServer, tmp_path: Path) -> None:
     with tiercheck.Checkpointer(local=tmp_path / "l", remote=url, remote_compression="zstd", **quick(server)) as c:
         c.save(7, state).wait(timeout=60)
         c.wait(timeout=60)
-    raw = (tmp_path / "l" / layout.step_dir_name(7) / SHARD).stat().st_size
-    stored = listing(server.filesystem(), url)[layout.step_dir_name(7)][SHARD]
+    raw = (tmp_path / "l" / naming.step_dir_name(7) / SHARD).stat().st_size
+    stored = listing(server.filesystem(), url)[naming.step_dir_name(7)][SHARD]
     assert stored < raw * 0.8, (stored, raw)
     # the bucket copy is readable on its own (fresh node, and load without a template)
     assert restore_fresh(tmp_path, url, opts, state) == 7
@@ -396,7 +396,7 @@ def test_outage_longer_than_budget_raises_once(seaweedfs_proxy: ProxiedServer, t
     elapsed = time.monotonic() - t0
     err = ei.value
     assert err.tier == "remote" and err.step == 2
-    assert layout.step_dir_name(2) in err.path and err.path.startswith(url)
+    assert naming.step_dir_name(2) in err.path and err.path.startswith(url)
     assert elapsed < 45, f"a 3 s budget took {elapsed:.1f} s to give up"
     assert isinstance(err, OSError) and isinstance(err, tiercheck.TiercheckError)
     ckpt.wait(timeout=10)  # raised exactly once

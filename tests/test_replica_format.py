@@ -5,7 +5,7 @@
   exception, every manifest that breaks a rule of the spec for these two fields, and
   accept the valid shapes.
 * A 2-rank step built by hand on disk (shards, manifests, COMMIT, real checksums) reads
-  back through `tiercheck.load` and `tiercheck.restore.restore_from`: a replica resolves
+  back through `tiercheck.load` and `tiercheck.steps.restore.restore_from`: a replica resolves
   to the owner rank's value, a replica whose owner does not hold the key is corruption,
   and a restore with another number of ranks gets the replicated keys only.
 """
@@ -30,10 +30,10 @@ import torch
 
 import tiercheck
 from tests.assertions import same
-from tiercheck import layout
-from tiercheck.checksum import checksum_function
 from tiercheck.errors import CheckpointCorruptedError, StateMismatchError
-from tiercheck.manifest import (
+from tiercheck.format import naming
+from tiercheck.format.checksum import checksum_function
+from tiercheck.format.manifest import (
     Manifest,
     ManifestRef,
     Marker,
@@ -43,9 +43,9 @@ from tiercheck.manifest import (
     encode_manifest,
     encode_marker,
 )
-from tiercheck.planner import plan_shard
-from tiercheck.restore import read_step, restore_from
-from tiercheck.state import flatten_state
+from tiercheck.plan.shards import plan_shard
+from tiercheck.state.flatten import flatten_state
+from tiercheck.steps.restore import read_step, restore_from
 from tiercheck.tiers.local import LocalTier
 
 ALGO = "crc32c"
@@ -106,7 +106,7 @@ def build_part(
         {"t": "replica", "r": replicas[k]} if k in replicas else mine[tuple(ek)]
         for k, ek in zip(state, keys, strict=True)
     ]
-    name = layout.shard_name(rank, world)
+    name = naming.shard_name(rank, world)
     manifest = Manifest(
         step=step,
         rank=rank,
@@ -123,18 +123,18 @@ def build_part(
 def write_step(root: Path, parts: list[Part], step: int = STEP) -> Path:
     """Write every part and a COMMIT marker covering their manifests."""
     world = len(parts)
-    step_dir = root / layout.step_dir_name(step)
+    step_dir = root / naming.step_dir_name(step)
     step_dir.mkdir(parents=True)
     refs = []
     for rank, part in enumerate(parts):
         m = part.manifest
         assert (m.rank, m.world_size, m.step) == (rank, world, step)
         data = part.manifest_bytes
-        (step_dir / layout.shard_name(rank, world)).write_bytes(part.shard)
-        (step_dir / layout.manifest_name(rank, world)).write_bytes(data)
-        refs.append(ManifestRef(layout.manifest_name(rank, world), len(data), CHECKSUM(data)))
+        (step_dir / naming.shard_name(rank, world)).write_bytes(part.shard)
+        (step_dir / naming.manifest_name(rank, world)).write_bytes(data)
+        refs.append(ManifestRef(naming.manifest_name(rank, world), len(data), CHECKSUM(data)))
     marker = Marker(step, world, ALGO, tuple(refs))
-    (step_dir / layout.COMMIT_NAME).write_bytes(encode_marker(marker))
+    (step_dir / naming.COMMIT_NAME).write_bytes(encode_marker(marker))
     return step_dir
 
 
@@ -486,7 +486,7 @@ def test_template_without_the_replicated_key_does_not_read_the_owner(job_root: P
     # Rank 1 asks only for its per-rank keys: rank 0's files are not needed, so rank 0's
     # manifest may even be unreadable.
     step_dir = write_step(job_root, two_rank_parts({"model": 0, "optimizer": 0}))
-    os.unlink(step_dir / layout.shard_name(0, 2))
+    os.unlink(step_dir / naming.shard_name(0, 2))
     template = {"shard": torch.zeros(4), "position": 0}
     read_step(LocalTier(job_root), STEP, 1, template, strict=True)
     same(template, expected_view(1, ("shard", "position")))
@@ -527,7 +527,7 @@ def test_replica_pointing_at_an_owner_without_the_key_is_corruption(job_root: Pa
 
 def test_replica_whose_owner_bytes_are_damaged_is_corruption(job_root: Path) -> None:
     step_dir = write_step(job_root, two_rank_parts({"model": 0, "optimizer": 0}))
-    shard = step_dir / layout.shard_name(0, 2)
+    shard = step_dir / naming.shard_name(0, 2)
     data = bytearray(shard.read_bytes())
     data[0] ^= 0x01  # model.w, which rank 1 reads through its replica
     shard.write_bytes(bytes(data))
@@ -537,8 +537,8 @@ def test_replica_whose_owner_bytes_are_damaged_is_corruption(job_root: Path) -> 
 
 def test_replica_whose_owner_manifest_is_missing_is_corruption(job_root: Path) -> None:
     step_dir = write_step(job_root, two_rank_parts({"model": 0, "optimizer": 0}))
-    os.unlink(step_dir / layout.manifest_name(0, 2))  # e.g. a node-local copy on rank 1's node
-    os.unlink(step_dir / layout.shard_name(0, 2))
+    os.unlink(step_dir / naming.manifest_name(0, 2))  # e.g. a node-local copy on rank 1's node
+    os.unlink(step_dir / naming.shard_name(0, 2))
     with pytest.raises(CheckpointCorruptedError, match="manifest is missing"):
         tiercheck.load(job_root, step=STEP, rank=1)
     template = {"shard": torch.zeros(4), "position": 0, 3: b""}

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 from tiercheck.tiers.local import LocalTier
 
 MiB = 1 << 20
@@ -149,7 +149,7 @@ def assert_nothing_left(root: Path, tempdir: Path, before: tuple[set[str], set[i
     assert {t.name for t in threading.enumerate()} <= threads_before
     assert set(child_pids()) <= children_before
     assert os.listdir(tempdir) == []
-    assert [n for n in os.listdir(root) if layout.is_leftover(n)] == []
+    assert [n for n in os.listdir(root) if naming.is_leftover(n)] == []
 
 
 @pytest.mark.slow  # ~20 s

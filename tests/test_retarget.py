@@ -1,11 +1,11 @@
-"""tiercheck.retarget: a part rewritten for tier 2, where other ranks upload replicated keys."""
+"""tiercheck.plan.retarget: a part rewritten for tier 2, where other ranks upload replicated keys."""
 
 from __future__ import annotations
 
 import pytest
 
-from tiercheck.manifest import Entry, Manifest, ShardFile, decode_manifest, encode_manifest
-from tiercheck.retarget import region_chunks, retarget
+from tiercheck.format.manifest import Entry, Manifest, ShardFile, decode_manifest, encode_manifest
+from tiercheck.plan.retarget import region_chunks, retarget
 
 SHARD = "rank-00001-of-00002.shard"
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import KeepEvery, KeepLast, layout
-from tiercheck.retention import KeepAll, as_policy, plan_deletions
+from tiercheck import KeepEvery, KeepLast
+from tiercheck.format import naming
+from tiercheck.plan.retention import KeepAll, as_policy, plan_deletions
 from tiercheck.tiers.local import LocalTier
 
 # ----------------------------------------------------------------------------- pure
@@ -84,7 +85,7 @@ def test_plan_deletions_never_deletes_in_flight_or_not_yet_uploaded_steps():
 def step_dirs(root) -> list[str]:
     """Everything in `root` but the library's own bookkeeping (the writer lock, a run log):
     steps, users' files, and any leftover temp or trash directory."""
-    return sorted(n for n in os.listdir(root) if not n.startswith(".tiercheck-") or layout.is_leftover(n))
+    return sorted(n for n in os.listdir(root) if not n.startswith(".tiercheck-") or naming.is_leftover(n))
 
 
 def save_steps(ckpt: tiercheck.Checkpointer, steps) -> None:
@@ -103,7 +104,7 @@ def saved_and_closed(ckpt: tiercheck.Checkpointer, steps) -> None:
 def test_keep_local_2_leaves_the_last_two_steps(make_ckpt, ckpt_dir):
     ckpt = make_ckpt(keep_local=2)
     saved_and_closed(ckpt, range(1, 7))
-    assert step_dirs(ckpt_dir) == [layout.step_dir_name(5), layout.step_dir_name(6)]
+    assert step_dirs(ckpt_dir) == [naming.step_dir_name(5), naming.step_dir_name(6)]
     assert make_ckpt().steps() == [5, 6]
     assert tiercheck.load(ckpt_dir, step=5)["step"] == 5
     assert tiercheck.load(ckpt_dir)["step"] == 6
@@ -115,10 +116,10 @@ def test_wait_returns_only_after_retention_ran(make_ckpt, ckpt_dir, tier_faults)
     save_steps(ckpt, [1, 2])  # ends with wait()
     # The pruned step is gone: only its bytes may still be freed in the background (a trash
     # directory, never a step directory), and close() waits for that.
-    assert [d for d in step_dirs(ckpt_dir) if not layout.is_leftover(d)] == [layout.step_dir_name(2)]
+    assert [d for d in step_dirs(ckpt_dir) if not naming.is_leftover(d)] == [naming.step_dir_name(2)]
     assert ckpt.steps() == [2]
     ckpt.close()
-    assert step_dirs(ckpt_dir) == [layout.step_dir_name(2)]
+    assert step_dirs(ckpt_dir) == [naming.step_dir_name(2)]
 
 
 def test_wait_does_not_wait_for_the_bytes_of_a_pruned_step_to_be_freed(make_ckpt, ckpt_dir, tier_faults):
@@ -132,26 +133,26 @@ def test_wait_does_not_wait_for_the_bytes_of_a_pruned_step_to_be_freed(make_ckpt
         save_steps(ckpt, [1, 2, 3])  # ends with wait(); steps 1 and 2 pruned, their reclaim blocked
         assert time.monotonic() - t0 < 5.0
         assert ckpt.steps() == [3]
-        leftovers = [d for d in step_dirs(ckpt_dir) if layout.is_leftover(d)]
+        leftovers = [d for d in step_dirs(ckpt_dir) if naming.is_leftover(d)]
         assert leftovers and all(".tiercheck-trash-" in d for d in leftovers)
         assert tiercheck.load(ckpt_dir)["step"] == 3  # trash is never read
     finally:
         release.set()
         ckpt.close()
-    assert step_dirs(ckpt_dir) == [layout.step_dir_name(3)]
+    assert step_dirs(ckpt_dir) == [naming.step_dir_name(3)]
 
 
 def test_keep_local_none_keeps_every_step(make_ckpt, ckpt_dir):
     ckpt = make_ckpt(keep_local=None)
     saved_and_closed(ckpt, range(1, 7))
-    assert step_dirs(ckpt_dir) == [layout.step_dir_name(s) for s in range(1, 7)]
+    assert step_dirs(ckpt_dir) == [naming.step_dir_name(s) for s in range(1, 7)]
     assert make_ckpt().steps() == list(range(1, 7))
 
 
 def test_keep_last_or_keep_every(make_ckpt, ckpt_dir):
     ckpt = make_ckpt(keep_local=KeepLast(1) | KeepEvery(4))
     saved_and_closed(ckpt, range(1, 10))
-    assert step_dirs(ckpt_dir) == [layout.step_dir_name(s) for s in (4, 8, 9)]
+    assert step_dirs(ckpt_dir) == [naming.step_dir_name(s) for s in (4, 8, 9)]
     assert make_ckpt().steps() == [4, 8, 9]
 
 
@@ -161,7 +162,7 @@ def test_default_retention_keeps_two(ckpt_dir):
         save_steps(ckpt, range(5))
     finally:
         ckpt.close()
-    assert step_dirs(ckpt_dir) == [layout.step_dir_name(3), layout.step_dir_name(4)]
+    assert step_dirs(ckpt_dir) == [naming.step_dir_name(3), naming.step_dir_name(4)]
 
 
 def test_retention_leaves_user_files_alone(make_ckpt, ckpt_dir):
@@ -170,13 +171,13 @@ def test_retention_leaves_user_files_alone(make_ckpt, ckpt_dir):
     (ckpt_dir / "notes.txt").write_text("mine")
     (ckpt_dir / "step-000000000001-copy").mkdir()
     saved_and_closed(ckpt, [2, 3])
-    assert step_dirs(ckpt_dir) == sorted(["notes.txt", "step-000000000001-copy", layout.step_dir_name(3)])
+    assert step_dirs(ckpt_dir) == sorted(["notes.txt", "step-000000000001-copy", naming.step_dir_name(3)])
 
 
 def test_deletion_hides_the_step_before_removing_data(make_ckpt, ckpt_dir, monkeypatch):
     ckpt = make_ckpt(keep_local=None)
     saved_and_closed(ckpt, [1, 2, 3])
-    step2 = ckpt_dir / layout.step_dir_name(2)
+    step2 = ckpt_dir / naming.step_dir_name(2)
     tier = LocalTier(ckpt_dir)
     # "Crash" after the rename that hides the step, before any data is removed.
     monkeypatch.setattr("tiercheck.tiers.local.shutil.rmtree", lambda *a, **k: None)
@@ -184,8 +185,8 @@ def test_deletion_hides_the_step_before_removing_data(make_ckpt, ckpt_dir, monke
     monkeypatch.undo()
 
     assert not step2.exists()
-    trash = [p for p in ckpt_dir.iterdir() if layout.is_leftover(p.name)]
-    assert len(trash) == 1 and (trash[0] / layout.shard_name(0, 1)).exists()  # data still there
+    trash = [p for p in ckpt_dir.iterdir() if naming.is_leftover(p.name)]
+    assert len(trash) == 1 and (trash[0] / naming.shard_name(0, 1)).exists()  # data still there
     assert tier.committed_steps() == [1, 3]
 
     fresh = make_ckpt(keep_local=None)
@@ -208,7 +209,7 @@ def test_a_marker_less_step_dir_does_not_block_saving_that_step(make_ckpt, ckpt_
     # E.g. left by an older release's marker-first deletion, or a COMMIT removed by hand.
     ckpt = make_ckpt(keep_local=None)
     saved_and_closed(ckpt, [1, 2, 3])
-    (ckpt_dir / layout.step_dir_name(3) / layout.COMMIT_NAME).unlink()
+    (ckpt_dir / naming.step_dir_name(3) / naming.COMMIT_NAME).unlink()
 
     fresh = make_ckpt(keep_local=None)
     state = {"x": torch.zeros(8), "step": None}

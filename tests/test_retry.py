@@ -20,10 +20,10 @@ from faulty_fs import Faults, FaultyMemoryFileSystem
 from gcsfs.retry import HttpError
 
 import tiercheck
-from tiercheck import layout
-from tiercheck.retry import RetryPolicy, is_transient
+from tiercheck.format import naming
+from tiercheck.tiers.retry import RetryPolicy, is_transient
 
-STEP_503 = f"/bucket/run/{layout.step_dir_name(503)}/{layout.shard_name(0, 1)}"
+STEP_503 = f"/bucket/run/{naming.step_dir_name(503)}/{naming.shard_name(0, 1)}"
 
 
 def s3_error(code: str, status: int, message: str = "") -> ClientError:
@@ -148,7 +148,7 @@ def test_a_permanent_error_on_step_503_fails_at_once(tmp_path: Path, bucket: str
             handle.wait("remote", timeout=60)
         assert time.monotonic() - t0 < 10
         assert info.value.step == 503 and info.value.tier == "remote"
-        assert layout.step_dir_name(503) in str(info.value.__cause__)
+        assert naming.step_dir_name(503) in str(info.value.__cause__)
         assert faults.injected() == 1  # one attempt, no retry
         faults.heal()
         ckpt.save(504, {"x": torch.ones(1000)}).wait(timeout=60)

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 
-SHARD = layout.shard_name(0, 1)
-MANIFEST = layout.manifest_name(0, 1)
+SHARD = naming.shard_name(0, 1)
+MANIFEST = naming.manifest_name(0, 1)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -205,7 +205,7 @@ def tensors_and_arrays(tree: object) -> list[object]:
 
 
 def read_manifest(ckpt_dir: Path, step: int) -> dict[str, Any]:
-    return json.loads((ckpt_dir / layout.step_dir_name(step) / MANIFEST).read_bytes())
+    return json.loads((ckpt_dir / naming.step_dir_name(step) / MANIFEST).read_bytes())
 
 
 # ------------------------------------------------------------------ every leaf kind
@@ -308,7 +308,7 @@ def test_two_keys_sharing_a_tensor_are_written_once(make_ckpt, ckpt_dir):
     assert entries["state['a']"]["offset"] == entries["state['b']"]["offset"]
     assert entries["state['copy']"]["offset"] != entries["state['a']"]["offset"]
     assert entries["state['view']"]["offset"] != entries["state['a']"]["offset"]
-    assert (ckpt_dir / layout.step_dir_name(1) / SHARD).stat().st_size == 3 * 4096
+    assert (ckpt_dir / naming.step_dir_name(1) / SHARD).stat().st_size == 3 * 4096
 
     loaded = tiercheck.load(ckpt_dir)
     for k in ("a", "b", "copy"):
@@ -331,7 +331,7 @@ def test_module_with_tied_weights_is_written_once_and_stays_tied(make_ckpt, ckpt
     ckpt = make_ckpt()
     ckpt.save(1, {"model": model}).wait()
 
-    shard_size = (ckpt_dir / layout.step_dir_name(1) / SHARD).stat().st_size
+    shard_size = (ckpt_dir / naming.step_dir_name(1) / SHARD).stat().st_size
     assert shard_size == 64 * 64 * 4  # once, not twice
     entries = {e["path"]: e for e in read_manifest(ckpt_dir, 1)["entries"]}
     assert entries["state['model']['emb.weight']"]["offset"] == entries["state['model']['out.weight']"]["offset"]

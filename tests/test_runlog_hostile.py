@@ -24,10 +24,10 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
 from tiercheck.__main__ import main as tiercheck_main
-from tiercheck.goodput import summarise
-from tiercheck.runlog import read_records
+from tiercheck.format import naming
+from tiercheck.goodput.runlog import read_records
+from tiercheck.goodput.summary import summarise
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "goodput_worker.py"
@@ -82,8 +82,8 @@ def line(r: dict[str, Any]) -> bytes:
     return json.dumps(r, separators=(",", ":")).encode() + b"\n"
 
 
-def write_log(root: Path, lines: list[bytes], name: str = layout.runlog_file_name(0)) -> Path:
-    d = root / layout.RUNLOG_DIR
+def write_log(root: Path, lines: list[bytes], name: str = naming.runlog_file_name(0)) -> Path:
+    d = root / naming.RUNLOG_DIR
     d.mkdir(parents=True, exist_ok=True)
     (d / name).write_bytes(b"".join(lines))
     return d / name
@@ -171,9 +171,9 @@ def test_summarise_rejects_values_out_of_range() -> None:
 def test_fifo_and_links_named_like_logs_are_skipped_not_followed(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_log(run, [line(r) for r in clean_records()])
-    d = run / layout.RUNLOG_DIR
-    os.mkfifo(d / layout.runlog_part_name(0, "f" * 16, 0))  # a second rank-0 file: a FIFO
-    os.mkfifo(d / layout.runlog_heartbeat_name(0))
+    d = run / naming.RUNLOG_DIR
+    os.mkfifo(d / naming.runlog_part_name(0, "f" * 16, 0))  # a second rank-0 file: a FIFO
+    os.mkfifo(d / naming.runlog_heartbeat_name(0))
     outside = tmp_path / "elsewhere.jsonl"  # a session that is not this run's
     outside.write_bytes(line(rec("start", "e" * 16, 1e9 + 500, 1)) + line(rec("close", "e" * 16, 1e9 + 600, 2)))
     os.symlink(outside, d / "rank-000000.jsonl")
@@ -188,7 +188,7 @@ def test_fifo_and_links_named_like_logs_are_skipped_not_followed(tmp_path: Path)
     text = run_cli_subprocess("plan", str(run), "--mtbf", "8h")
     assert text.returncode == 0, text.stderr
     # A rank whose only log is a FIFO: one line, exit 2, saying why.
-    os.mkfifo(d / layout.runlog_file_name(1))
+    os.mkfifo(d / naming.runlog_file_name(1))
     one = run_cli_subprocess("report", str(run), "--rank", "1")
     assert one.returncode == 2 and len(one.stderr.splitlines()) == 1, one.stderr
     assert "rank 1" in one.stderr and "not a regular file" in one.stderr
@@ -199,7 +199,7 @@ def test_symlinked_runlog_directory_is_not_followed(tmp_path: Path) -> None:
     write_log(other, [line(r) for r in clean_records()])
     run = tmp_path / "run"
     run.mkdir()
-    os.symlink(other / layout.RUNLOG_DIR, run / layout.RUNLOG_DIR)
+    os.symlink(other / naming.RUNLOG_DIR, run / naming.RUNLOG_DIR)
     p = run_cli("report", str(run))
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
     assert "symbolic link" in p.stderr
@@ -275,9 +275,9 @@ def test_report_one_rank_reads_only_its_log_in_bounded_memory(tmp_path: Path) ->
     write_log(crowd, [log0])
     for r in range(1, 8):
         if r == 5:
-            os.mkfifo(crowd / layout.RUNLOG_DIR / layout.runlog_file_name(r))
+            os.mkfifo(crowd / naming.RUNLOG_DIR / naming.runlog_file_name(r))
         else:
-            write_log(crowd, [synthetic_log(mib, r)], layout.runlog_file_name(r))
+            write_log(crowd, [synthetic_log(mib, r)], naming.runlog_file_name(r))
     out_alone, one = probe("report", str(alone), "--rank", "0")
     out_crowd, many = probe("report", str(crowd), "--rank", "0")
     assert out_crowd["runs"] == out_alone["runs"] and out_crowd["skipped_records"] == 1
@@ -323,7 +323,7 @@ def test_writer_never_writes_through_a_symlinked_runlog_directory(tmp_path: Path
     (target / "notes.txt").write_bytes(b"mine")
     run = tmp_path / "run"
     run.mkdir()
-    os.symlink(target, run / layout.RUNLOG_DIR)
+    os.symlink(target, run / naming.RUNLOG_DIR)
     with caplog.at_level(logging.WARNING, logger="tiercheck"):
         train(run, 30, 10)
     assert sorted(os.listdir(target)) == ["notes.txt"] and (target / "notes.txt").read_bytes() == b"mine"
@@ -336,9 +336,9 @@ def test_writer_never_writes_through_a_symlinked_runlog_directory(tmp_path: Path
 @pytest.mark.parametrize("which", ["log", "heartbeat"])
 def test_writer_does_not_hang_on_a_fifo_named_like_its_file(tmp_path: Path, which: str) -> None:
     run = tmp_path / "run"
-    d = run / layout.RUNLOG_DIR
+    d = run / naming.RUNLOG_DIR
     d.mkdir(parents=True)
-    name = layout.runlog_file_name(0) if which == "log" else layout.runlog_heartbeat_name(0)
+    name = naming.runlog_file_name(0) if which == "log" else naming.runlog_heartbeat_name(0)
     os.mkfifo(d / name)
     out = tmp_path / "truth.json"
     # For the heartbeat: one save and no flush for 600 s, so that it is written once a second.
@@ -360,10 +360,10 @@ def test_writer_breaks_hard_links_instead_of_writing_into_them(tmp_path: Path) -
     session of one copy leaves the other copy's log and heartbeat as they were."""
     run = tmp_path / "run"
     train(run, 200, 1000, interval=600.0)  # one save, a long interval: the heartbeat is written once a second
-    d = run / layout.RUNLOG_DIR
+    d = run / naming.RUNLOG_DIR
     keep = tmp_path / "keep"
     keep.mkdir()
-    names = [layout.runlog_file_name(0), layout.runlog_heartbeat_name(0)]
+    names = [naming.runlog_file_name(0), naming.runlog_heartbeat_name(0)]
     for n in names:
         assert (d / n).is_file()
         os.link(d / n, keep / n)

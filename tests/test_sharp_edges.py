@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,7 +95,7 @@ def test_a_forked_child_exits_at_once_while_the_parent_saves(tmp_path: Path) -> 
     assert parent["exit_s"] < 15, parent
     assert parent["steps"] == [1] and parent["same"] is True
     # the child left nothing behind (the parent's writer lock is kept by design)
-    assert parent["files"] == sorted([layout.lock_name(0), layout.RUNLOG_DIR, layout.step_dir_name(1)])
+    assert parent["files"] == sorted([naming.lock_name(0), naming.RUNLOG_DIR, naming.step_dir_name(1)])
 
 
 # ----------------------------------------------------------------------------- Ctrl-C
@@ -141,8 +141,8 @@ def test_a_save_retried_after_ctrl_c_commits_and_reports_it(tmp_path: Path) -> N
         assert torch.equal(got["a"], state["a"])
         h3 = ckpt.save(3, state)
         h3.wait(timeout=60)
-    names = [n for n in os.listdir(tmp_path) if n != layout.RUNLOG_DIR]
-    assert sorted(names) == [layout.lock_name(0)] + [layout.step_dir_name(s) for s in (1, 2, 3)]
+    names = [n for n in os.listdir(tmp_path) if n != naming.RUNLOG_DIR]
+    assert sorted(names) == [naming.lock_name(0)] + [naming.step_dir_name(s) for s in (1, 2, 3)]
 
 
 def test_the_first_save_retried_after_ctrl_c_is_not_a_step_conflict(tmp_path: Path) -> None:
@@ -241,7 +241,7 @@ def test_a_plain_path_remote_is_created_and_round_trips(tmp_path: Path, monkeypa
     with tiercheck.Checkpointer(local=tmp_path / "local", remote=str(remote)) as ckpt:
         ckpt.save(3, state).wait(timeout=60)
         assert ckpt.steps("remote") == [3]
-    assert sorted(os.listdir(remote)) == [layout.step_dir_name(3)]
+    assert sorted(os.listdir(remote)) == [naming.step_dir_name(3)]
     # a fresh node: tier 2 alone, given as a path object this time, relative to the cwd
     monkeypatch.chdir(tmp_path)
     fresh = {"w": torch.zeros(4096), "n": None}

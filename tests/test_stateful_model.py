@@ -50,13 +50,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import tiercheck
-from tiercheck import layout
 from tiercheck.errors import CheckpointCorruptedError, TierError
-from tiercheck.retention import as_policy, plan_catch_up, superseded
+from tiercheck.format import naming
+from tiercheck.plan.retention import as_policy, plan_catch_up, superseded
 
 HERE = Path(__file__).resolve().parent
-SHARD = layout.shard_name(0, 1)
-MANIFEST = layout.manifest_name(0, 1)
+SHARD = naming.shard_name(0, 1)
+MANIFEST = naming.manifest_name(0, 1)
 TIERS = ("local", "remote")
 
 
@@ -197,7 +197,7 @@ class TwoTierMachine(RuleBasedStateMachine):
         return self.on["local"] | self.on["remote"]
 
     def _dir(self, tier: str, step: int) -> Path:
-        return (self.local if tier == "local" else self.remote) / layout.step_dir_name(step)
+        return (self.local if tier == "local" else self.remote) / naming.step_dir_name(step)
 
     def _new_step(self) -> int:
         step = self.next_step
@@ -304,7 +304,7 @@ class TwoTierMachine(RuleBasedStateMachine):
         elif how == "manifest":
             (d / MANIFEST).write_bytes((d / MANIFEST).read_bytes().replace(b'"step"', b'"stap"'))
         else:
-            (d / layout.COMMIT_NAME).write_bytes(b"{not json")
+            (d / naming.COMMIT_NAME).write_bytes(b"{not json")
         self.bad[tier].add(step)
 
     @rule(
@@ -326,12 +326,12 @@ class TwoTierMachine(RuleBasedStateMachine):
             ref().close()  # type: ignore[union-attr]
         step = self.next_step  # the step a kill interrupted; the next save reuses the number
         if debris == "tmp-dir":
-            tmp = self.local / layout.tmp_dir_name(step, 0)
+            tmp = self.local / naming.tmp_dir_name(step, 0)
             tmp.mkdir(parents=True)
             (tmp / SHARD).write_bytes(os.urandom(3000))
         elif debris == "trash" and self.on["local"]:
             victim = data.draw(st.sampled_from(sorted(self.on["local"])), label="trashed step")
-            os.rename(self._dir("local", victim), self.local / layout.trash_dir_name(victim))
+            os.rename(self._dir("local", victim), self.local / naming.trash_dir_name(victim))
             self.on["local"].discard(victim)
             self.bad["local"].discard(victim)
         elif debris in ("partial-upload", "unmarked-upload"):
@@ -340,7 +340,7 @@ class TwoTierMachine(RuleBasedStateMachine):
                 other.save(step, small_state(data.draw(st.integers(1, 2**31), label="stale seed"))).wait()
             target = self._dir("remote", step)
             target.mkdir(parents=True, exist_ok=True)
-            src = scratch / layout.step_dir_name(step)
+            src = scratch / naming.step_dir_name(step)
             if debris == "partial-upload":
                 (target / SHARD).write_bytes((src / SHARD).read_bytes()[:4096])
             else:
@@ -349,7 +349,7 @@ class TwoTierMachine(RuleBasedStateMachine):
             shutil.rmtree(scratch)
         elif debris == "remote-marker-gone" and len(self.on["remote"]) > 1:
             victim = data.draw(st.sampled_from(sorted(self.on["remote"])[:-1]), label="deleted step")
-            (self._dir("remote", victim) / layout.COMMIT_NAME).unlink()
+            (self._dir("remote", victim) / naming.COMMIT_NAME).unlink()
             self.on["remote"].discard(victim)
             self.bad["remote"].discard(victim)
         elif debris == "not-uploaded":  # committed on tier 1, killed before the upload began
@@ -358,14 +358,14 @@ class TwoTierMachine(RuleBasedStateMachine):
                 alone.save(self._new_step(), small_state(seed)).wait()
             self.contents[step] = seed
             self.on["local"].add(step)
-        debris_left = {n for n in os.listdir(self.local) if layout.is_leftover(n)} if self.local.exists() else set()
+        debris_left = {n for n in os.listdir(self.local) if naming.is_leftover(n)} if self.local.exists() else set()
         self.ckpt = self._open()
         # The kill's leftovers are swept; trash of a step this session pruned since may still
         # be freed by the reclaimer thread (close() waits for it).
         left = [
             n
             for n in (os.listdir(self.local) if self.local.exists() else [])
-            if layout.is_leftover(n) and (n in debris_left or not n.startswith(".tiercheck-trash-"))
+            if naming.is_leftover(n) and (n in debris_left or not n.startswith(".tiercheck-trash-"))
         ]
         assert left == []
         self.restore_newest()  # what a restarted job does first
@@ -425,7 +425,7 @@ def test_an_upload_never_spreads_a_damaged_tier1_copy(tmp_path: Path) -> None:
     # Step 2 committed on tier 1; the process was killed before the upload started.
     with tiercheck.Checkpointer(local=local, keep_local=None) as alone:
         alone.save(2, small_state(2)).wait()
-    shard = local / layout.step_dir_name(2) / SHARD
+    shard = local / naming.step_dir_name(2) / SHARD
     data = bytearray(shard.read_bytes())
     data[0] ^= 1  # bit rot in the first entry, after the commit
     shard.write_bytes(bytes(data))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 from tiercheck.testing import FaultyTier
 from tiercheck.tiers.local import LocalTier
 
@@ -34,7 +34,7 @@ def test_a_step_that_fails_on_tier1_is_uploaded_from_host_memory(tmp_path: Path)
         ckpt.save(3, {"x": torch.full((64,), 3.0)}).wait()
         assert ckpt.steps("local") == [1, 3]
     assert torch.equal(tiercheck.load(remote, step=2)["x"], torch.full((64,), 2.0))
-    assert not [n for n in os.listdir(tmp_path) if layout.is_leftover(n)]
+    assert not [n for n in os.listdir(tmp_path) if naming.is_leftover(n)]
 
 
 def test_free_space_check_names_the_shortfall(tmp_path: Path, monkeypatch) -> None:
@@ -53,11 +53,11 @@ def test_free_space_check_names_the_shortfall(tmp_path: Path, monkeypatch) -> No
     assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
     assert "short by" in str(info.value) and "step 1" in str(info.value)
     # nothing was written but the writer lock (and the run log)
-    assert [n for n in os.listdir(tmp_path) if n != layout.RUNLOG_DIR] == [layout.lock_name(0)]
+    assert [n for n in os.listdir(tmp_path) if n != naming.RUNLOG_DIR] == [naming.lock_name(0)]
 
 
 def test_a_failed_copy_raises_in_save_and_later_saves_work(tmp_path: Path, monkeypatch) -> None:
-    from tiercheck import staging
+    from tiercheck.steps import stage as staging
 
     original = staging.stage_into
     calls = {"n": 0}

@@ -15,8 +15,8 @@ import torch
 
 import tiercheck
 from tests.assertions import same
-from tiercheck import layout
 from tiercheck.__main__ import main
+from tiercheck.format import naming
 from tiercheck.tiers.remote import RemoteTier
 from tiercheck.tools import upload_steps
 
@@ -78,8 +78,8 @@ def test_upload_copies_once_and_the_copy_restores_from_tier_2_alone(
     remote = RemoteTier(url, opts)
     assert remote.committed_steps() == [100, 200, 300] and remote.stray_steps() == []
     # The same bytes on both tiers: marker, manifest, shard.
-    for name in (layout.COMMIT_NAME, layout.manifest_name(0, 1), layout.shard_name(0, 1)):
-        local_bytes = (tier1 / layout.step_dir_name(300) / name).read_bytes()
+    for name in (naming.COMMIT_NAME, naming.manifest_name(0, 1), naming.shard_name(0, 1)):
+        local_bytes = (tier1 / naming.step_dir_name(300) / name).read_bytes()
         assert remote.read_bytes(300, name, 1 << 30) == local_bytes, name
     # Restored from tier 2 alone, bit-exact.
     template = {"model": {"w": torch.zeros(256, 64), "b": torch.zeros(64, dtype=torch.bfloat16)}}
@@ -93,7 +93,7 @@ def test_upload_refuses_a_damaged_step_and_leaves_nothing_of_it(
     tier1: Path, tier2: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     url, opts = tier2
-    shard = tier1 / layout.step_dir_name(200) / layout.shard_name(0, 1)
+    shard = tier1 / naming.step_dir_name(200) / naming.shard_name(0, 1)
     data = bytearray(shard.read_bytes())
     data[5000] ^= 0x01  # inside model.w, the first entry
     shard.write_bytes(bytes(data))
@@ -104,7 +104,7 @@ def test_upload_refuses_a_damaged_step_and_leaves_nothing_of_it(
     remote = RemoteTier(url, opts)
     assert remote.committed_steps() == [100]  # the steps before it were copied; none after
     assert remote.stray_steps() == []  # nothing of step 200 was left behind
-    assert not remote.fs.exists(remote.path_of(200, layout.shard_name(0, 1)))
+    assert not remote.fs.exists(remote.path_of(200, naming.shard_name(0, 1)))
 
 
 def test_upload_progress_counts_every_byte_and_a_missing_step_is_exit_2(
@@ -115,9 +115,9 @@ def test_upload_progress_counts_every_byte_and_a_missing_step_is_exit_2(
     result = upload_steps(tier1, f"file://{dest}", progress=lambda d, t: calls.append((d, t)))
     assert result.copied == STEPS
     expected = sum(
-        os.path.getsize(tier1 / layout.step_dir_name(s) / n)
+        os.path.getsize(tier1 / naming.step_dir_name(s) / n)
         for s in STEPS
-        for n in os.listdir(tier1 / layout.step_dir_name(s))
+        for n in os.listdir(tier1 / naming.step_dir_name(s))
     )
     assert result.bytes == expected
     assert calls[-1] == (expected, expected)

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import layout
 from tiercheck.errors import DirectoryInUseError
+from tiercheck.format import naming
 from tiercheck.tiers.local import LocalTier
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs POSIX flock and fork")
@@ -75,7 +75,7 @@ def test_a_reader_never_touches_the_temp_dir_of_a_save_in_flight(tmp_path: Path,
     workers.append(writer)
     writer.expect("committed 1")
     writer.expect("writing 2")
-    in_flight = [n for n in os.listdir(tmp_path) if n.startswith(layout.TMP_PREFIX)]
+    in_flight = [n for n in os.listdir(tmp_path) if n.startswith(naming.TMP_PREFIX)]
     assert len(in_flight) == 1
     reader = tiercheck.Checkpointer(local=tmp_path, keep_local=1)
     state = {"x": torch.zeros(1024)}
@@ -83,7 +83,7 @@ def test_a_reader_never_touches_the_temp_dir_of_a_save_in_flight(tmp_path: Path,
     assert torch.equal(state["x"], torch.full((1024,), 1.0))
     assert torch.equal(tiercheck.load(tmp_path, step=1)["x"], torch.full((1024,), 1.0))
     reader.close()
-    assert (tmp_path / in_flight[0]).exists() or layout.step_dir_name(2) in os.listdir(tmp_path)
+    assert (tmp_path / in_flight[0]).exists() or naming.step_dir_name(2) in os.listdir(tmp_path)
     assert writer.expect("committed 2", timeout=120) == "committed 2", writer.lines
     assert writer.proc.wait(timeout=30) == 0
     assert LocalTier(tmp_path).committed_steps() == [1, 2]
@@ -151,11 +151,11 @@ def test_a_child_forked_by_a_killed_writer_does_not_keep_its_lock(tmp_path: Path
 def test_ranks_sharing_a_directory_lock_and_sweep_only_their_own(tmp_path: Path) -> None:
     other_job = LocalTier(tmp_path)
     assert other_job.claim_writer(3, 4) == []  # a live writer of rank 3 (a job of 4 ranks)
-    leftovers = {r: tmp_path / layout.tmp_dir_name(7, r) for r in range(4)}
-    trash = tmp_path / layout.trash_dir_name(5)
+    leftovers = {r: tmp_path / naming.tmp_dir_name(7, r) for r in range(4)}
+    trash = tmp_path / naming.trash_dir_name(5)
     for d in (*leftovers.values(), trash):
         d.mkdir()
-        (d / layout.shard_name(0, 1)).write_bytes(b"\0" * 4096)
+        (d / naming.shard_name(0, 1)).write_bytes(b"\0" * 4096)
     rank0, rank1 = LocalTier(tmp_path), LocalTier(tmp_path)
     removed = rank0.claim_writer(0, 2)  # a job of 2 ranks sharing the directory
     # Its own temp dirs, the trash, and those of rank 2 (beyond the job, lock free); rank 1
@@ -171,8 +171,8 @@ def test_ranks_sharing_a_directory_lock_and_sweep_only_their_own(tmp_path: Path)
     assert leftovers[3].exists()
     # The lock files are neither steps nor leftovers.
     names = sorted(os.listdir(tmp_path))
-    assert names == sorted([layout.lock_name(r) for r in (0, 1, 2, 3)] + [leftovers[3].name])
+    assert names == sorted([naming.lock_name(r) for r in (0, 1, 2, 3)] + [leftovers[3].name])
     assert LocalTier(tmp_path).committed_steps() == [] and LocalTier(tmp_path).stray_steps() == []
-    assert not any(layout.is_leftover(layout.lock_name(r)) for r in range(4))
+    assert not any(naming.is_leftover(naming.lock_name(r)) for r in range(4))
     for t in (other_job, rank1, again):
         t.release_writer()

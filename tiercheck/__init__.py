@@ -21,10 +21,10 @@ from .errors import (
     UnsupportedStateError,
     UploadSkippedError,
 )
-from .events import SaveStats
-from .handle import DrainReport, SaveHandle, WaitTimeoutError
-from .retention import KeepAll, KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from .schedule import Every, SavePolicy
+from .observe.events import SaveStats
+from .plan.retention import KeepAll, KeepBest, KeepEvery, KeepLast, RetentionPolicy
+from .plan.schedule import Every, SavePolicy
+from .steps.handle import DrainReport, SaveHandle, WaitTimeoutError
 
 __version__ = "0.1.0"
 

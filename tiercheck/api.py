@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import NoCheckpointError
-from .progress import ProgressCallback
-from .restore import restore_from
+from .observe.progress import ProgressCallback
+from .steps.restore import restore_from
 from .tiers.base import Tier
 from .tiers.open import open_tier
 
@@ -33,7 +33,7 @@ def load(
         storage_options: fsspec options for a URL (unused for directories).
         rank: which rank's part to read.
         progress: called as ``progress(done_bytes, total_bytes)`` while the step's bytes
-            are read (`tiercheck.progress`); ``tiercheck.progress.terminal_bar`` draws a bar.
+            are read (`tiercheck.observe.progress`); ``tiercheck.observe.progress.terminal_bar`` draws a bar.
 
     Raises:
         NoCheckpointError: nothing committed at `location` (or not `step`).

@@ -15,9 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .agreement import SaveRequests
-from .catalog import read_marker
-from .coordination import Group, join_group
+from .engine.pipeline import Pipeline, StagedSave
 from .errors import (
     CheckpointCorruptedError,
     ClosedError,
@@ -29,24 +27,26 @@ from .errors import (
     TierError,
     UnsupportedStateError,
 )
-from .events import logger
-from .handle import DrainReport, SaveHandle, WaitTimeoutError
+from .goodput.runlog import DEFAULT_INTERVAL, RunLog
+from .job.agreement import SaveRequests
+from .job.coordination import Group, join_group
+from .job.trigger import SaveTrigger, SigtermState, sigterm_handler
+from .observe.events import logger
+from .observe.progress import ProgressCallback
 from .options import REMOTE_RETRY_BUDGET, REMOTE_TIMEOUT, Options, open_tiers
-from .pipeline import Pipeline, StagedSave
-from .placement import JobLayout, Placed, Placement, key_sizes, place, replicated_keys, split_state
-from .planner import ShardPlan, plan_shard
-from .progress import ProgressCallback
-from .restore import restore_collective, restore_from
-from .retention import RetentionPolicy
-from .runlog import DEFAULT_INTERVAL, RunLog
-from .schedule import SavePolicy
-from .staging import HostBufferPool, StageProgress, layout_for, needs_pinned, stage_into
-from .state import FlatState, metric_values, tensor_versions
-from .steporder import Proceed, claim
-from .structure import StructureCache
+from .plan.placement import JobLayout, Placed, Placement, key_sizes, place, replicated_keys, split_state
+from .plan.retention import RetentionPolicy
+from .plan.schedule import SavePolicy
+from .plan.shards import ShardPlan, plan_shard
+from .plan.steporder import Proceed, claim
+from .state.flatten import FlatState, metric_values, tensor_versions
+from .state.structure import StructureCache
+from .steps.catalog import read_marker
+from .steps.handle import DrainReport, SaveHandle, WaitTimeoutError
+from .steps.restore import restore_collective, restore_from
+from .steps.stage import HostBufferPool, StageProgress, layout_for, needs_pinned, stage_into
 from .tiers.base import Tier
 from .tiers.remote import RemoteTier
-from .trigger import SaveTrigger, SigtermState, sigterm_handler
 
 __all__ = ["Checkpointer"]
 
@@ -933,7 +933,7 @@ class Checkpointer:
                 added to a running job) is left as it is and reported in a warning and a
                 ``restore_missing_keys`` event, instead of raising.
             progress: called as ``progress(done_bytes, total_bytes)`` while the step's
-                bytes are read (`tiercheck.progress`; ``terminal_bar`` draws a bar).
+                bytes are read (`tiercheck.observe.progress`; ``terminal_bar`` draws a bar).
 
         Returns:
             The restored step, or None when no checkpoint exists on any tier.

@@ -14,15 +14,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .checksum import ALGORITHMS
 from .errors import InvalidArgumentError
-from .placement import normalize_replicated
-from .retention import RetentionPolicy, as_policy
-from .retry import RetryPolicy
-from .schedule import SavePolicy
-from .store import from_process_group
+from .format.checksum import ALGORITHMS
+from .job.store import from_process_group
+from .plan.placement import normalize_replicated
+from .plan.retention import RetentionPolicy, as_policy
+from .plan.schedule import SavePolicy
 from .tiers.base import Tier
-from .tiers.open import open_tier
+from .tiers.open import REMOTE_RETRY_BUDGET, REMOTE_TIMEOUT, open_tier, with_timeouts
+from .tiers.retry import RetryPolicy
 
 __all__ = [
     "BACKLOG_POLICIES",
@@ -30,14 +30,10 @@ __all__ = [
     "REMOTE_TIMEOUT",
     "Options",
     "job_place",
-    "open_default_tier",
     "open_tiers",
-    "with_timeouts",
 ]
 
 BACKLOG_POLICIES = ("newest", "all")
-REMOTE_TIMEOUT = 30.0  # Checkpointer(remote_timeout=) default, seconds per object-store call
-REMOTE_RETRY_BUDGET = 120.0  # Checkpointer(remote_retry_budget=) default, seconds
 
 Location = str | os.PathLike[str] | Tier
 
@@ -145,18 +141,6 @@ def job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[int
     return rank, world_size, store
 
 
-def with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
-    """Bound S3 client calls: botocore's defaults (60 s reads, retries inside) stall for minutes."""
-    opts = dict(options or {})
-    if url.startswith(("s3://", "s3a://")):
-        config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("connect_timeout", timeout)
-        config.setdefault("read_timeout", timeout)
-        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
-        opts["config_kwargs"] = config
-    return opts
-
-
 def open_tiers(opts: Options, defaults: Mapping[str, Any]) -> tuple[Tier | None, Tier | None]:
     """Tier 1 and tier 2 from the options (`open_tier`). A `Tier` passed in is used as it
     is: a tier option of the same role that differs from its default (`defaults`, by
@@ -196,17 +180,3 @@ def open_tiers(opts: Options, defaults: Mapping[str, Any]) -> tuple[Tier | None,
         storage = with_timeouts(os.fspath(opts.remote), opts.storage_options, opts.remote_timeout)
         remote_tier = open_tier(opts.remote, role="remote", storage_options=storage, **kwargs)
     return local_tier, remote_tier
-
-
-def open_default_tier(location: str, storage_options: Mapping[str, Any] | None = None) -> Tier:
-    """The tier at `location` (a directory or URL) with Checkpointer's default settings, for
-    tools that write steps outside a Checkpointer (``tiercheck import``)."""
-    if "://" not in location:
-        return open_tier(location, role="local")
-    return open_tier(
-        location,
-        role="remote",
-        storage_options=with_timeouts(location, storage_options, REMOTE_TIMEOUT),
-        retry=RetryPolicy(budget_s=REMOTE_RETRY_BUDGET),
-        op_timeout=REMOTE_TIMEOUT,
-    )

@@ -8,3 +8,5 @@
 
 See docs/integrations.md.
 """
+
+FLOOR = 11

@@ -52,8 +52,8 @@ import torch
 
 from ..checkpointer import Checkpointer
 from ..errors import InvalidArgumentError, StateMismatchError
-from ..handle import SaveHandle
-from ..state import ROOT, key_path
+from ..format.tree import ROOT, key_path
+from ..steps.handle import SaveHandle
 
 __all__ = ["REPLICATED", "checkpointer", "load_state", "save_state", "state_of"]
 

@@ -71,7 +71,6 @@ from typing import Any
 import torch
 
 from ..api import read_tiers
-from ..catalog import list_committed
 from ..checkpointer import Checkpointer
 from ..errors import (
     ClosedError,
@@ -81,9 +80,10 @@ from ..errors import (
     StepInFlightError,
     TiercheckError,
 )
-from ..handle import SaveHandle
-from ..restore import restore_from
-from ..retention import RetentionPolicy
+from ..plan.retention import RetentionPolicy
+from ..steps.catalog import list_committed
+from ..steps.handle import SaveHandle
+from ..steps.restore import restore_from
 from ..tiers.base import Tier
 from ..tiers.local import fsync_dir
 

@@ -13,4 +13,6 @@ from __future__ import annotations
 from .faulty import Call, Faults, FaultyTier
 from .memtier import MemoryStore, MemoryTier
 
+FLOOR = 10
+
 __all__ = ["Call", "Faults", "FaultyTier", "MemoryStore", "MemoryTier"]

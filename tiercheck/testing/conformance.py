@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 import tiercheck
-from tiercheck import layout
+from tiercheck.format import naming
 from tiercheck.tiers.base import Tier
 
-SHARD = layout.shard_name(0, 1)
-MANIFEST = layout.manifest_name(0, 1)
+SHARD = naming.shard_name(0, 1)
+MANIFEST = naming.manifest_name(0, 1)
 
 
 class NotApplicable(Exception):
@@ -190,7 +190,7 @@ def check_step_listed_only_after_commit(case: TierCase, scratch: Path) -> None:
     assert tier.committed_steps() == []
     w.commit(b'{"marker": 1}')
     assert tier.committed_steps() == [5]
-    assert tier.read_bytes(5, layout.COMMIT_NAME, 1 << 20) == b'{"marker": 1}'
+    assert tier.read_bytes(5, naming.COMMIT_NAME, 1 << 20) == b'{"marker": 1}'
     write_step(tier, 7, {SHARD: b"x"})
     write_step(tier, 6, {SHARD: b"y"})
     assert tier.committed_steps() == [5, 6, 7]
@@ -297,7 +297,7 @@ def check_delete_step(case: TierCase, scratch: Path) -> None:
     with raises(FileNotFoundError):
         tier.read_bytes(2, SHARD, 1 << 20)
     with raises(FileNotFoundError):
-        tier.read_bytes(2, layout.COMMIT_NAME, 1 << 20)
+        tier.read_bytes(2, naming.COMMIT_NAME, 1 << 20)
     tier.delete_step(2)  # deleting again, or a step never written, is a no-op
     tier.delete_step(1000)
     assert tier.committed_steps() == [1, 3]
@@ -341,8 +341,8 @@ def check_committed_steps_of_a_missing_root_is_empty(case: TierCase, scratch: Pa
 
 def check_path_of_names_the_step(case: TierCase, scratch: Path) -> None:
     tier = case.make_tier()
-    assert layout.step_dir_name(42) in tier.path_of(42)
-    assert tier.path_of(42, SHARD).endswith(f"{layout.step_dir_name(42)}/{SHARD}")
+    assert naming.step_dir_name(42) in tier.path_of(42)
+    assert tier.path_of(42, SHARD).endswith(f"{naming.step_dir_name(42)}/{SHARD}")
 
 
 def check_write_from_path(case: TierCase, scratch: Path) -> None:

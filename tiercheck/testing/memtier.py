@@ -17,8 +17,8 @@ from __future__ import annotations
 import itertools
 import threading
 
-from .. import layout
 from ..errors import CheckpointCorruptedError
+from ..format import naming
 from ..tiers.base import Capabilities, ReadableFile, StepWriter, Tier
 
 _ids = itertools.count()
@@ -69,10 +69,10 @@ class MemoryTier(Tier):
         self.location = f"mem://{self.store.label}"
 
     def _rel(self, step: int, name: str) -> str:
-        return f"{layout.step_dir_name(step)}/{name}"
+        return f"{naming.step_dir_name(step)}/{name}"
 
     def path_of(self, step: int, name: str | None = None) -> str:
-        d = f"{self.location}/{layout.step_dir_name(step)}"
+        d = f"{self.location}/{naming.step_dir_name(step)}"
         return d if name is None else f"{d}/{name}"
 
     def _steps(self) -> tuple[set[int], set[int]]:
@@ -80,10 +80,10 @@ class MemoryTier(Tier):
         present: set[int] = set()
         for rel in self.store.under(""):
             parts = rel.split("/")
-            step = layout.parse_step_dir(parts[0]) if len(parts) == 2 else None
+            step = naming.parse_step_dir(parts[0]) if len(parts) == 2 else None
             if step is not None:
                 present.add(step)
-                if parts[1] == layout.COMMIT_NAME:
+                if parts[1] == naming.COMMIT_NAME:
                     committed.add(step)
         return committed, present
 
@@ -98,7 +98,7 @@ class MemoryTier(Tier):
         return _MemoryStepWriter(self, step)
 
     def write_marker(self, step: int, marker: bytes) -> None:
-        self.store.put(self._rel(step, layout.COMMIT_NAME), bytes(marker))
+        self.store.put(self._rel(step, naming.COMMIT_NAME), bytes(marker))
 
     def read_bytes(self, step: int, name: str, limit: int) -> bytes:
         data = self.store.get(self._rel(step, name))
@@ -110,8 +110,8 @@ class MemoryTier(Tier):
         return _MemoryFile(self.path_of(step, name), self.store.get(self._rel(step, name)))
 
     def delete_step(self, step: int) -> None:
-        prefix = f"{layout.step_dir_name(step)}/"
-        self.store.remove([prefix + layout.COMMIT_NAME])  # invisible first
+        prefix = f"{naming.step_dir_name(step)}/"
+        self.store.remove([prefix + naming.COMMIT_NAME])  # invisible first
         self.store.remove(self.store.under(prefix))
 
     def remove_leftovers(self) -> list[str]:
@@ -140,7 +140,7 @@ class _MemoryStepWriter(StepWriter):
         return None  # written in place under the step's name
 
     def commit(self, marker: bytes) -> None:
-        self._written.append(self._tier._rel(self._step, layout.COMMIT_NAME))
+        self._written.append(self._tier._rel(self._step, naming.COMMIT_NAME))
         self._tier.write_marker(self._step, marker)
 
     def abort(self) -> None:

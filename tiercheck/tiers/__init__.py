@@ -11,4 +11,6 @@ from .local import LocalTier
 from .open import open_tier
 from .remote import RemoteTier
 
+FLOOR = 4
+
 __all__ = ["Capabilities", "LocalTier", "ReadableFile", "RemoteTier", "StepWriter", "Tier", "open_tier"]

@@ -43,11 +43,11 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 
-from .. import layout
 from ..errors import CheckpointCorruptedError, DirectoryInUseError, InvalidArgumentError
-from ..events import logger
-from ..throttle import RateLimiter
+from ..format import naming
+from ..observe.events import logger
 from .base import Capabilities, ReadableFile, StepWriter, Tier
+from .throttle import RateLimiter
 
 try:
     import fcntl
@@ -123,7 +123,7 @@ class LocalTier(Tier):
         self._largest = 0  # the largest shard written here: the bytes of spares held at most
 
     def path_of(self, step: int, name: str | None = None) -> str:
-        d = os.path.join(self.root, layout.step_dir_name(step))
+        d = os.path.join(self.root, naming.step_dir_name(step))
         return d if name is None else os.path.join(d, name)
 
     def local_dir(self) -> str:
@@ -140,8 +140,8 @@ class LocalTier(Tier):
         steps = []
         with it:
             for entry in it:
-                step = layout.parse_step_dir(entry.name)
-                if step is not None and os.path.isfile(os.path.join(entry.path, layout.COMMIT_NAME)):
+                step = naming.parse_step_dir(entry.name)
+                if step is not None and os.path.isfile(os.path.join(entry.path, naming.COMMIT_NAME)):
                     steps.append(step)
         return sorted(steps)
 
@@ -173,24 +173,24 @@ class LocalTier(Tier):
             return sorted(
                 step
                 for entry in it
-                if (step := layout.parse_step_dir(entry.name)) is not None
+                if (step := naming.parse_step_dir(entry.name)) is not None
                 and entry.is_dir(follow_symlinks=False)
-                and not os.path.lexists(os.path.join(entry.path, layout.COMMIT_NAME))
+                and not os.path.lexists(os.path.join(entry.path, naming.COMMIT_NAME))
             )
 
     def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
         os.makedirs(self.root, exist_ok=True)
-        tmp = os.path.join(self.root, layout.tmp_dir_name(step, rank))
+        tmp = os.path.join(self.root, naming.tmp_dir_name(step, rank))
         os.mkdir(tmp)
         return _LocalStepWriter(self, step, tmp, shared)
 
     def write_marker(self, step: int, marker: bytes) -> None:
         # Written under a temporary name and renamed: the marker appears whole or not at all.
         final = self.path_of(step)
-        tmp = os.path.join(final, f".{layout.COMMIT_NAME}.tmp-{secrets.token_hex(8)}")
+        tmp = os.path.join(final, f".{naming.COMMIT_NAME}.tmp-{secrets.token_hex(8)}")
         try:
             self.write_file(tmp, memoryview(marker), False)
-            os.rename(tmp, os.path.join(final, layout.COMMIT_NAME))
+            os.rename(tmp, os.path.join(final, naming.COMMIT_NAME))
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -227,7 +227,7 @@ class LocalTier(Tier):
             if self.fsync:
                 fsync_dir(self.root)
             return
-        trash = os.path.join(self.root, layout.trash_dir_name(step))
+        trash = os.path.join(self.root, naming.trash_dir_name(step))
         try:
             os.rename(step_dir, trash)
         except FileNotFoundError:
@@ -398,9 +398,9 @@ class LocalTier(Tier):
             return []
         with it:
             for entry in it:
-                if not (layout.is_leftover(entry.name) and entry.is_dir(follow_symlinks=False)):
+                if not (naming.is_leftover(entry.name) and entry.is_dir(follow_symlinks=False)):
                     continue
-                if owned is None or owned(layout.leftover_rank(entry.name)):
+                if owned is None or owned(naming.leftover_rank(entry.name)):
                     shutil.rmtree(entry.path, ignore_errors=True)
                     removed.append(entry.path)
         return removed
@@ -417,7 +417,7 @@ class LocalTier(Tier):
         is written unlocked, with a warning: the write itself then fails (or not) as before,
         in the background, and never stops training here."""
         if self._writer_lock is None:
-            path = os.path.join(self.root, layout.lock_name(rank))
+            path = os.path.join(self.root, naming.lock_name(rank))
             try:
                 os.makedirs(self.root, exist_ok=True)
                 fd = self._lock(rank)
@@ -479,7 +479,7 @@ class LocalTier(Tier):
             return -1
         # No link followed: O_CREAT through a dangling one would make a file elsewhere.
         flags = os.O_RDONLY | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK
-        fd = os.open(os.path.join(self.root, layout.lock_name(rank)), flags, 0o644)
+        fd = os.open(os.path.join(self.root, naming.lock_name(rank)), flags, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -613,18 +613,18 @@ class _LocalStepWriter(StepWriter):
 
     def commit(self, marker: bytes) -> None:
         tier = self._tier
-        tier.write_file(os.path.join(self._tmp, layout.COMMIT_NAME), memoryview(marker), False)
+        tier.write_file(os.path.join(self._tmp, naming.COMMIT_NAME), memoryview(marker), False)
         if tier.fsync:
             fsync_dir(self._tmp)
         final = tier.path_of(self._step)
         if os.path.lexists(final):
-            if os.path.exists(os.path.join(final, layout.COMMIT_NAME)):
+            if os.path.exists(os.path.join(final, naming.COMMIT_NAME)):
                 raise FileExistsError(errno.EEXIST, "step is already committed", final)
             # An unmarked step directory: a deletion that crashed after removing the marker.
             # It is invisible; move it out of the way rather than fail this step forever. A
             # link there loses only itself: what it points to is the user's.
             if stat.S_ISDIR(os.lstat(final).st_mode):
-                trash = os.path.join(tier.root, layout.trash_dir_name(self._step))
+                trash = os.path.join(tier.root, naming.trash_dir_name(self._step))
                 os.rename(final, trash)
                 _remove(trash)
             else:
@@ -639,7 +639,7 @@ class _LocalStepWriter(StepWriter):
         assert self._shared, "publish_part() is for steps written by several ranks"
         tier = self._tier
         final = tier.path_of(self._step)
-        if os.path.lexists(os.path.join(final, layout.COMMIT_NAME)):
+        if os.path.lexists(os.path.join(final, naming.COMMIT_NAME)):
             raise FileExistsError(errno.EEXIST, "step is already committed", final)
         _own_dir(final)
         for name in sorted(os.listdir(self._tmp)):
@@ -797,5 +797,5 @@ def linked_lock_hint(path: str) -> str:
     return (
         f" The lock file has {links - 1} other hard link(s), as in a copy made with `cp -al`: the "
         "holder may be writing the other directory. If no writer runs here, delete this directory's "
-        f"lock files ({layout.LOCK_PREFIX}*) and start again."
+        f"lock files ({naming.LOCK_PREFIX}*) and start again."
     )

@@ -1,4 +1,5 @@
-"""`open_tier`: the one place that turns a location (or a `Tier` given as is) into a tier."""
+"""The one place tiers are built: `open_tier` turns a location (or a `Tier` given as is) into
+a tier; `open_default_tier` does so with Checkpointer's defaults for the tools."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from ..errors import InvalidArgumentError
 from .base import Tier
 from .local import LocalTier
 from .remote import RemoteTier
+from .retry import RetryPolicy
 
 ROLES = ("local", "remote")
+REMOTE_TIMEOUT = 30.0  # Checkpointer(remote_timeout=) default, seconds per object-store call
+REMOTE_RETRY_BUDGET = 120.0  # Checkpointer(remote_retry_budget=) default, seconds
 
 
 def open_tier(
@@ -83,3 +87,29 @@ def _given(tier: Tier, role: str | None, storage_options: Mapping[str, Any] | No
             "a Tier passed in keeps the options it was built with; set them when building it"
         )
     return tier
+
+
+def with_timeouts(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
+    """Bound S3 client calls: botocore's defaults (60 s reads, retries inside) stall for minutes."""
+    opts = dict(options or {})
+    if url.startswith(("s3://", "s3a://")):
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout)
+        config.setdefault("read_timeout", timeout)
+        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
+        opts["config_kwargs"] = config
+    return opts
+
+
+def open_default_tier(location: str, storage_options: Mapping[str, Any] | None = None) -> Tier:
+    """The tier at `location` (a directory or URL) with Checkpointer's default settings, for
+    tools that write steps outside a Checkpointer (``tiercheck import``)."""
+    if "://" not in location:
+        return open_tier(location, role="local")
+    return open_tier(
+        location,
+        role="remote",
+        storage_options=with_timeouts(location, storage_options, REMOTE_TIMEOUT),
+        retry=RetryPolicy(budget_s=REMOTE_RETRY_BUDGET),
+        op_timeout=REMOTE_TIMEOUT,
+    )

@@ -23,12 +23,12 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .. import layout
 from ..errors import CheckpointCorruptedError, InvalidArgumentError, TierError
-from ..retry import RetryPolicy
-from ..throttle import RateLimiter
+from ..format import naming
 from . import codec, multipart
 from .base import Capabilities, ReadableFile, StepWriter, Tier
+from .retry import RetryPolicy
+from .throttle import RateLimiter
 
 T = TypeVar("T")
 logger = logging.getLogger("tiercheck")
@@ -193,11 +193,11 @@ class RemoteTier(Tier):
         return results[0]
 
     def _path(self, step: int, name: str | None = None) -> str:
-        d = f"{self.root}/{layout.step_dir_name(step)}"
+        d = f"{self.root}/{naming.step_dir_name(step)}"
         return d if name is None else f"{d}/{name}"
 
     def path_of(self, step: int, name: str | None = None) -> str:
-        return f"{self.location.rstrip('/')}/{layout.step_dir_name(step)}" + ("" if name is None else f"/{name}")
+        return f"{self.location.rstrip('/')}/{naming.step_dir_name(step)}" + ("" if name is None else f"/{name}")
 
     def committed_steps(self) -> list[int]:
         return self._list_steps()[0]
@@ -233,11 +233,11 @@ class RemoteTier(Tier):
             if not rel.startswith(prefix):
                 continue
             parts = rel[len(prefix) :].split("/")
-            step = layout.parse_step_dir(parts[0]) if len(parts) == 2 else None
+            step = naming.parse_step_dir(parts[0]) if len(parts) == 2 else None
             if step is None:
                 continue
             present.add(step)
-            if parts[1] == layout.COMMIT_NAME:
+            if parts[1] == naming.COMMIT_NAME:
                 committed.add(step)
         return sorted(committed), sorted(present - committed)
 
@@ -286,7 +286,7 @@ class RemoteTier(Tier):
             return False
         parts = rel[len(prefix) :].split("/")
         m = _RANK_FILE_RE.fullmatch(parts[-1]) if len(parts) == 2 else None
-        if m is None or layout.parse_step_dir(parts[0]) is None:
+        if m is None or naming.parse_step_dir(parts[0]) is None:
             return False
         owner = int(m.group(1))
         return owner == rank or (rank == 0 and owner >= world)
@@ -298,7 +298,7 @@ class RemoteTier(Tier):
         return self.live_uploads.abort_all(lambda what, fn: self._attempt(what, fn, min(self.op_timeout, 5.0)))
 
     def write_marker(self, step: int, marker: bytes) -> None:
-        path = self._path(step, layout.COMMIT_NAME)
+        path = self._path(step, naming.COMMIT_NAME)
         if "file" in self.fs.protocol or "local" in self.fs.protocol:
             # A local filesystem creates the file before writing it: a kill in between would
             # leave an empty, listed marker. Object-store PUTs are atomic; here, rename is.
@@ -333,7 +333,7 @@ class RemoteTier(Tier):
         return _RemoteFile(self, path, int(info["size"]))
 
     def delete_step(self, step: int) -> None:
-        marker = self._path(step, layout.COMMIT_NAME)
+        marker = self._path(step, naming.COMMIT_NAME)
 
         def rm_marker() -> None:
             with contextlib.suppress(FileNotFoundError):
@@ -472,7 +472,7 @@ class _RemoteStepWriter(StepWriter):
         return None  # every file was written in place under the step's name
 
     def commit(self, marker: bytes) -> None:
-        self._written.append(self._tier._path(self._step, layout.COMMIT_NAME))  # a cut marker must go too
+        self._written.append(self._tier._path(self._step, naming.COMMIT_NAME))  # a cut marker must go too
         self._tier.write_marker(self._step, marker)
 
     def abort(self) -> None:

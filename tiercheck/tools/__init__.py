@@ -12,6 +12,8 @@ from .ingest import ImportResult, import_step
 from .prune import PruneResult, prune_steps, remove_step
 from .upload import UploadResult, upload_steps
 
+FLOOR = 9
+
 __all__ = [
     "ExportResult",
     "ImportResult",

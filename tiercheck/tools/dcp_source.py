@@ -37,9 +37,9 @@ from typing import IO, Any
 
 import torch
 
-from ..dtypes import TORCH_DTYPES
 from ..errors import CheckpointCorruptedError, NoCheckpointError, UnsupportedStateError
-from ..state import MAX_DEPTH
+from ..format.dtypes import TORCH_DTYPES
+from ..format.tree import MAX_DEPTH
 
 __all__ = ["DcpSource", "one_line", "weights_only_reason"]
 

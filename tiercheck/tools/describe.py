@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import NoCheckpointError
-from ..manifest import Entry
-from ..progress import format_bytes
+from ..format.manifest import Entry
+from ..observe.progress import format_bytes
 from ..tiers.base import Tier
 from .view import LEAF_KINDS, PLAIN_KINDS, KeyPath, Node, StepView, open_view, walk
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..progress import ProgressCallback
+from ..observe.progress import ProgressCallback
 from . import to_dcp, to_safetensors, to_torch
 from .view import LEAF_KINDS, KeyPath, Node, ShardReader, choose_step, dotted, open_view, select, tier_at, walk
 

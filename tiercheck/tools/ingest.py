@@ -38,8 +38,6 @@ from typing import Any
 
 import torch
 
-from .. import layout
-from ..dtypes import TORCH_DTYPES
 from ..errors import (
     CheckpointCorruptedError,
     InvalidArgumentError,
@@ -47,10 +45,13 @@ from ..errors import (
     StepConflictError,
     UnsupportedStateError,
 )
-from ..options import open_default_tier
-from ..progress import ProgressCallback
-from ..state import MAX_DEPTH, flatten_state
+from ..format import naming
+from ..format.dtypes import TORCH_DTYPES
+from ..format.tree import MAX_DEPTH
+from ..observe.progress import ProgressCallback
+from ..state.flatten import flatten_state
 from ..tiers.local import LocalTier
+from ..tiers.open import open_default_tier
 from .dcp_source import DcpSource, one_line, weights_only_reason
 from .step_writer import BLOCK, Chunk, memory_chunks, write_step
 from .to_safetensors import MAX_HEADER, SAFETENSORS_DTYPES
@@ -257,7 +258,7 @@ def _remove_created(root: str) -> None:
     """Remove the directory a failed import created (its step was aborted): its lock file,
     if it is still the regular, unlinked file the import made, then the directory if nothing
     else is in it. Nothing else is touched, so a file someone put there meanwhile stays."""
-    lock = os.path.join(root, layout.lock_name(0))
+    lock = os.path.join(root, naming.lock_name(0))
     try:
         st = os.lstat(lock)
         if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:

@@ -24,9 +24,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import layout
 from ..errors import DirectoryInUseError, NoCheckpointError
-from ..retention import KeepEvery, KeepLast, RetentionPolicy, plan_deletions
+from ..format import naming
+from ..plan.retention import KeepEvery, KeepLast, RetentionPolicy, plan_deletions
 from ..tiers.base import Tier
 from ..tiers.local import LocalTier, linked_lock_hint
 from .view import tier_at
@@ -69,12 +69,12 @@ def writers_excluded(tier: Tier, create: bool = True) -> Iterator[str]:
         yield "impossible"
         return
     try:
-        names = sorted(n for n in os.listdir(tier.root) if n.startswith(layout.LOCK_PREFIX))
+        names = sorted(n for n in os.listdir(tier.root) if n.startswith(naming.LOCK_PREFIX))
     except FileNotFoundError:
         names = []
     else:
         if create:  # rank 0's too, so that no writer starts on a directory none has locked yet
-            names = sorted({*names, layout.lock_name(0)})
+            names = sorted({*names, naming.lock_name(0)})
     fds: list[int] = []
     try:
         for name in names:
@@ -84,7 +84,7 @@ def writers_excluded(tier: Tier, create: bool = True) -> Iterator[str]:
             except FileNotFoundError:  # its writer's directory is being removed
                 continue
             except OSError as exc:  # a read-only directory: its deletions would fail as well
-                if name == layout.lock_name(0) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                if name == naming.lock_name(0) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                     continue
                 raise
             fds.append(fd)

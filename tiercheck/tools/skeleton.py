@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_of_numpy
 from ..errors import UnsupportedStateError
-from ..manifest import Entry
+from ..format.dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_of_numpy
+from ..format.manifest import Entry
 from .view import KeyPath, Node, ShardReader, dotted
 
 Placeholder = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]

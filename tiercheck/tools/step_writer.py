@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from .. import layout
-from ..checksum import checksum_function, checksum_stream
-from ..manifest import Manifest, ManifestRef, Marker, ShardFile, build_entries, encode_manifest, encode_marker
-from ..planner import plan_shard
-from ..progress import ProgressCallback
-from ..state import FlatState
+from ..format import naming
+from ..format.checksum import checksum_function, checksum_stream
+from ..format.manifest import Manifest, ManifestRef, Marker, ShardFile, build_entries, encode_manifest, encode_marker
+from ..observe.progress import ProgressCallback
+from ..plan.shards import plan_shard
+from ..state.flatten import FlatState
 from ..tiers.base import Tier
 
 __all__ = ["BLOCK", "Chunk", "LeafChunks", "memory_chunks", "write_step"]
@@ -64,7 +64,7 @@ def write_step(
         Whatever `chunks` or the tier raises; nothing of the step is left visible then.
     """
     plan = plan_shard(flat.leaves)
-    shard = layout.shard_name(0, 1)
+    shard = naming.shard_name(0, 1)
     unique = [i for i, leaf in enumerate(flat.leaves) if leaf.alias_of is None]
     total = sum(flat.leaves[i].nbytes for i in unique)
     sums = [""] * len(flat.leaves)
@@ -114,7 +114,7 @@ def write_step(
             tree=flat.tree,
         )
         manifest = encode_manifest(doc)
-        mname = layout.manifest_name(0, 1)
+        mname = naming.manifest_name(0, 1)
         writer.write_file(mname, memoryview(manifest))
         ref = ManifestRef(mname, len(manifest), checksum_function(checksum)(manifest))
         writer.commit(encode_marker(Marker(step, 1, checksum, (ref,))))

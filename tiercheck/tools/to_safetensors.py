@@ -16,9 +16,9 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..dtypes import TORCH_DTYPES
 from ..errors import UnsupportedStateError
-from ..manifest import Entry
+from ..format.dtypes import TORCH_DTYPES
+from ..format.manifest import Entry
 from .view import KeyPath, Node, ShardReader, dotted, walk
 
 # tiercheck dtype name -> safetensors dtype; float8_e8m0fnu and complex128 have none.

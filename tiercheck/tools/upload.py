@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import layout
-from ..catalog import MAX_MARKER_BYTES, read_manifest_with_bytes, read_marker, reading_committed
-from ..checksum import checksum_stream, feed_regions
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StepPrunedError
-from ..manifest import Manifest
-from ..progress import ProgressCallback
+from ..format import naming
+from ..format.checksum import checksum_stream, feed_regions
+from ..format.manifest import Manifest
+from ..observe.progress import ProgressCallback
+from ..steps.catalog import MAX_MARKER_BYTES, read_manifest_with_bytes, read_marker, reading_committed
 from ..tiers.base import StepWriter, Tier
 from ..tiers.local import LocalTier
 from .step_writer import BLOCK
@@ -154,7 +154,7 @@ class _StepPlan:
 
 def _plan(src: Tier, step: int) -> _StepPlan:
     marker = read_marker(src, step)
-    raw_marker = src.read_bytes(step, layout.COMMIT_NAME, MAX_MARKER_BYTES)
+    raw_marker = src.read_bytes(step, naming.COMMIT_NAME, MAX_MARKER_BYTES)
     manifests = tuple(read_manifest_with_bytes(src, step, r, marker) for r in range(marker.world_size))
     for _, m in manifests:
         for f in m.files:
@@ -173,7 +173,7 @@ def _copy(src: Tier, dst: Tier, plan: _StepPlan, advance: Callable[[int], None])
             for f in manifest.files:
                 chunks = functools.partial(_verified_chunks, src, plan.step, manifest, f.name, f.length, advance)
                 writer.write_chunks(f.name, chunks, f.length)
-            writer.write_file(layout.manifest_name(rank, len(plan.manifests)), memoryview(manifest_bytes))
+            writer.write_file(naming.manifest_name(rank, len(plan.manifests)), memoryview(manifest_bytes))
             advance(len(manifest_bytes))
             if shared:
                 writer.publish_part()

@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..catalog import ReplicaResolver, read_manifest, read_marker, reading_committed
-from ..checksum import checksum_stream
 from ..errors import CheckpointCorruptedError, NoCheckpointError
-from ..manifest import Entry, Manifest, ShardFile, decode_key
-from ..progress import ProgressCallback
-from ..state import JsonNode, decode_plain
+from ..format.checksum import checksum_stream
+from ..format.manifest import Entry, Manifest, ShardFile, decode_key
+from ..format.tree import JsonNode, decode_plain
+from ..observe.progress import ProgressCallback
+from ..steps.catalog import ReplicaResolver, read_manifest, read_marker, reading_committed
 from ..tiers.base import ReadableFile, Tier
 from ..tiers.codec import ZstdFile
 from ..tiers.open import open_tier

@@ -1,0 +1,622 @@
+"""The manifest and commit-marker schema: build, serialise, and strictly validate (pure).
+
+Every parse error, whatever its cause, surfaces as `CheckpointCorruptedError`: a
+manifest is untrusted input. Nothing here executes code, and parsing allocates a bounded
+multiple of the bytes it was given (see `decode_manifest`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointCorruptedError, UnsupportedStateError
+from . import naming
+from .dtypes import itemsize
+from .tree import JsonNode, Leaf
+
+FORMAT = "tiercheck"
+VERSION = 1
+MAX_DEPTH = 256  # tree levels; the reader's recursion stays well inside Python's limit
+MAX_NDIM = 64
+# The largest manifest a writer produces or a reader parses; docs/format.md (Limits) says why.
+MAX_MANIFEST_BYTES = 256 << 20
+# JSON arrays outside strings: writers put at most one in ~13 bytes (an empty dict node has
+# two in 27), so denser documents are refused before parsing; each array costs ~64 bytes.
+MIN_BYTES_PER_ARRAY = 8
+_NODE_TYPES = frozenset(
+    {"dict", "list", "tuple", "none", "bool", "int", "float", "str", "tensor", "ndarray",
+     "npscalar", "bytes", "stateful", "replica"}
+)  # fmt: skip
+_LEAF_NODE_TYPES = frozenset({"tensor", "ndarray", "npscalar", "bytes"})
+_MAX_INT_DIGITS = 4300  # Python's default int-from-str limit
+MAX_METRIC_NAME = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One leaf's bytes in a shard file."""
+
+    path: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    checksum: str
+    codec: str = "raw"
+
+
+CODECS = ("raw", "zstd")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFile:
+    """A shard file: `length` bytes of entries; stored as-is, or zstd-compressed in
+    `stored_length` bytes (the remote tier's optional compression)."""
+
+    name: str
+    length: int
+    codec: str = "raw"
+    stored_length: int | None = None
+
+    @property
+    def size_on_tier(self) -> int:
+        return self.length if self.stored_length is None else self.stored_length
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    step: int
+    rank: int
+    world_size: int
+    checksum_algorithm: str
+    files: tuple[ShardFile, ...]
+    entries: tuple[Entry, ...]
+    tree: JsonNode
+    # Encoded top-level keys ([["s", "model"], ...]) saved as the same on every rank: each is
+    # written by one rank; the others' trees hold a `replica` node pointing at that rank.
+    replicated: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestRef:
+    """What the commit marker records about one rank's manifest."""
+
+    file: str
+    length: int
+    checksum: str
+
+
+Metric = int | float  # a value recorded with a step: `save(..., metrics={"val_loss": 0.31})`
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    step: int
+    world_size: int
+    checksum_algorithm: str
+    manifests: tuple[ManifestRef, ...]
+    # (name, value) pairs in the order given to save(); optional in the format (absent: none).
+    metrics: tuple[tuple[str, Metric], ...] = ()
+
+
+def build_entries(
+    leaves: Sequence[Leaf], offsets: Sequence[int], checksums: Sequence[str], file: str
+) -> tuple[Entry, ...]:
+    return tuple(
+        Entry(lf.path, lf.kind, lf.dtype, lf.shape, file, off, lf.nbytes, ck)
+        for lf, off, ck in zip(leaves, offsets, checksums, strict=True)
+    )
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    """The manifest's bytes.
+
+    Raises:
+        UnsupportedStateError: they would exceed `MAX_MANIFEST_BYTES` (too many arrays in one
+            rank's state), so no reader would accept the step.
+    """
+    data = _encode_manifest(m)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise UnsupportedStateError(
+            f"step {m.step}, rank {m.rank}: the manifest of this state would be {len(data)} bytes "
+            f"({len(m.entries)} arrays), over the format's limit of {MAX_MANIFEST_BYTES} bytes; "
+            "save fewer, larger arrays per rank (docs/format.md, Limits)"
+        )
+    return data
+
+
+def _encode_manifest(m: Manifest) -> bytes:
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "manifest",
+        "step": m.step,
+        "rank": m.rank,
+        "world_size": m.world_size,
+        "checksum_algorithm": m.checksum_algorithm,
+        "files": [_file_doc(f) for f in m.files],
+        "entries": [
+            {
+                "path": e.path,
+                "kind": e.kind,
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "file": e.file,
+                "offset": e.offset,
+                "length": e.length,
+                "checksum": e.checksum,
+                "codec": e.codec,
+            }
+            for e in m.entries
+        ],
+        "tree": m.tree,
+    }
+    if m.replicated:  # absent when empty: single-rank manifests stay byte-identical
+        doc["replicated"] = [list(k) for k in m.replicated]
+    return _dump(doc)
+
+
+def _file_doc(f: ShardFile) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": f.name, "length": f.length}
+    if f.codec != "raw":  # absent means raw: v1 manifests without compression stay byte-identical
+        doc["codec"] = f.codec
+        doc["stored_length"] = f.stored_length
+    return doc
+
+
+def encode_marker(m: Marker) -> bytes:
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "commit",
+        "step": m.step,
+        "world_size": m.world_size,
+        "checksum_algorithm": m.checksum_algorithm,
+        "manifests": [{"name": r.file, "length": r.length, "checksum": r.checksum} for r in m.manifests],
+    }
+    if m.metrics:  # absent when empty: markers without metrics stay byte-identical
+        doc["metrics"] = {name: _metric_node(v) for name, v in m.metrics}
+    return _dump(doc)
+
+
+def _metric_node(v: Metric) -> dict[str, str]:
+    if type(v) is int:
+        return {"t": "int", "v": str(v)}
+    assert type(v) is float
+    return {"t": "float", "v": v.hex()}
+
+
+def _dump(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _fail(where: str, what: str) -> CheckpointCorruptedError:
+    return CheckpointCorruptedError(f"{where}: {what}")
+
+
+def _max_arrays(data: bytes) -> int:
+    """An upper bound on the JSON arrays in `data`, in C speed and one copy: every array
+    opens at the start or after `:`, `,` or `[` (whitespace aside); brackets inside strings
+    only add to the count. Two non-overlapping `[[` per run stand for its overlapping ones."""
+    c = data.translate(None, b" \t\n\r")
+    return c.count(b":[") + c.count(b",[") + 2 * c.count(b"[[") + 1
+
+
+def _load_json(data: bytes, where: str) -> dict[str, Any]:
+    # Arrays are the one JSON value the parser builds without a hook to drop junk: refuse a
+    # document made mostly of them before building any (`[[]],` costs 25x its bytes).
+    arrays = _max_arrays(data)
+    if arrays * MIN_BYTES_PER_ARRAY > len(data) + MIN_BYTES_PER_ARRAY:
+        raise _fail(
+            where,
+            f"up to {arrays} JSON arrays in {len(data)} bytes, denser than any writer produces "
+            f"(at most one per {MIN_BYTES_PER_ARRAY} bytes)",
+        )
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_hook=_compacting_hook())
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
+        raise _fail(where, f"not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise _fail(where, "top level is not a JSON object with 'format' and 'version' fields")
+    if doc.get("format") != FORMAT:
+        raise _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+    if type(doc.get("version")) is not int or doc["version"] != VERSION:
+        raise _fail(where, f"unsupported format version {doc.get('version')!r} (reader: {VERSION})")
+    return doc
+
+
+class _Unrecognised:
+    """What the parser keeps of a JSON object that is none of the kinds this format defines
+    (the value of a field readers ignore, or damage): nothing, so junk costs no memory."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<an object of no kind this format defines>"
+
+
+_UNRECOGNISED = _Unrecognised()
+_ENTRY_FIELDS = frozenset({"path", "kind", "dtype", "shape", "file", "offset", "length", "checksum"})
+_NODE_TYPE_NAMES = {t: t for t in _NODE_TYPES}
+_VALUE_NODES = frozenset({"int", "float", "str"})
+_METRIC_NODES = frozenset({"int", "float"})
+
+
+def _compacting_hook() -> Callable[[dict[str, Any]], object]:
+    """A `json` object hook that keeps a parse small (a dict costs ~200 bytes, ten times a tree
+    node's JSON): the constant tree nodes (none, true, false, empty containers) are shared,
+    repeated names (node types, entries' kind/dtype/file/codec) stored once, and an object of
+    no kind this format defines, or a tree node without the fields its type needs, is
+    dropped for `_UNRECOGNISED` (validation then reports it). Decoded trees are read-only."""
+    names: dict[str, str] = {}
+    shared: dict[tuple[object, ...], dict[str, Any]] = {
+        ("none",): {"t": "none"},
+        ("bool", True): {"t": "bool", "v": True},
+        ("bool", False): {"t": "bool", "v": False},
+        ("list",): {"t": "list", "v": []},
+        ("tuple",): {"t": "tuple", "v": []},
+        ("dict",): {"t": "dict", "k": [], "v": []},
+    }
+
+    def node(obj: dict[str, Any], t: object) -> object:
+        if type(t) is not str or t not in _NODE_TYPE_NAMES:
+            return _UNRECOGNISED
+        obj["t"] = t = _NODE_TYPE_NAMES[t]
+        v, n = obj.get("v"), len(obj)
+        if t == "none":
+            return shared[("none",)] if n == 1 else obj
+        if t == "bool":
+            if type(v) is not bool:
+                return _UNRECOGNISED
+            return shared[("bool", v)] if n == 2 else obj
+        if t in _VALUE_NODES:
+            return obj if type(v) is str else _UNRECOGNISED
+        if t in _LEAF_NODE_TYPES:
+            return obj if type(obj.get("e")) is int else _UNRECOGNISED
+        if t in ("list", "tuple"):
+            if type(v) is not list:
+                return _UNRECOGNISED
+            return shared[(t,)] if n == 2 and not v else obj
+        if t == "dict":
+            k = obj.get("k")
+            if type(k) is not list or type(v) is not list:
+                return _UNRECOGNISED
+            return shared[("dict",)] if n == 3 and not k and not v else obj
+        if t == "stateful":
+            return obj if isinstance(v, dict) else _UNRECOGNISED
+        return obj  # replica: validated with its context (the marker's world, the keys)
+
+    def hook(obj: dict[str, Any]) -> object:
+        if "t" in obj:
+            return node(obj, obj["t"])
+        if "format" in obj and "version" in obj:  # the document itself
+            return obj
+        if obj and all(type(v) is dict and v.get("t") in _METRIC_NODES for v in obj.values()):
+            return obj  # a marker's metrics: name -> int or float node
+        if obj.keys() >= _ENTRY_FIELDS:
+            for field in ("kind", "dtype", "file", "codec"):
+                v = obj.get(field)
+                if type(v) is str:
+                    obj[field] = names.setdefault(v, v)
+            return obj
+        if "name" in obj and "length" in obj:  # a shard file, or a marker's manifest reference
+            return obj
+        return _UNRECOGNISED
+
+    return hook
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _int(doc: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    v = doc.get(key)
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fail(where, f"field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _str(doc: dict[str, Any], key: str, where: str) -> str:
+    v = doc.get(key)
+    if type(v) is not str:
+        raise _fail(where, f"field {key!r} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _list(doc: dict[str, Any], key: str, where: str) -> list[Any]:
+    v = doc.get(key)
+    if type(v) is not list:
+        raise _fail(where, f"field {key!r} must be a list")
+    return v
+
+
+def _checksum_text(v: str, where: str) -> str:
+    if not (1 <= len(v) <= 64) or any(c not in "0123456789abcdef" for c in v):
+        raise _fail(where, f"checksum {v!r} is not lowercase hex")
+    return v
+
+
+def decode_marker(data: bytes, where: str) -> Marker:
+    doc = _load_json(data, where)
+    if doc.get("kind") != "commit":
+        raise _fail(where, "not a commit marker")
+    step = _int(doc, "step", where)
+    world = _int(doc, "world_size", where, 1, 1 << 20)
+    algo = _str(doc, "checksum_algorithm", where)
+    refs = []
+    for i, r in enumerate(_list(doc, "manifests", where)):
+        w = f"{where} manifests[{i}]"
+        if not isinstance(r, dict):
+            raise _fail(w, "not an object with 'name' and 'length'")
+        name = _str(r, "name", w)
+        if name != naming.manifest_name(i, world):
+            raise _fail(w, f"unexpected manifest name {name!r}")
+        refs.append(ManifestRef(name, _int(r, "length", w, 0, 1 << 40), _checksum_text(_str(r, "checksum", w), w)))
+    if len(refs) != world:
+        raise _fail(where, f"lists {len(refs)} manifests for world size {world}")
+    return Marker(step, world, algo, tuple(refs), _metrics(doc, where))
+
+
+def _metrics(doc: dict[str, Any], where: str) -> tuple[tuple[str, Metric], ...]:
+    """The optional `metrics` object: metric name -> an int or float node of the tree's form."""
+    raw = doc.get("metrics", {})
+    if type(raw) is not dict:
+        raise _fail(where, "field 'metrics' must be a non-empty object of metric name -> int or float node")
+    out: list[tuple[str, Metric]] = []
+    for name, node in raw.items():
+        w = f"{where} metrics[{name[:40]!r}]"
+        if not name or len(name) > MAX_METRIC_NAME:
+            raise _fail(w, f"a metric name must have 1 to {MAX_METRIC_NAME} characters")
+        if type(node) is not dict or set(node) != {"t", "v"} or node["t"] not in ("int", "float"):
+            raise _fail(w, 'must be {"t": "int" or "float", "v": text}')
+        v = node["v"]
+        if type(v) is not str:
+            raise _fail(w, "value must be a string")
+        value = _canonical_number(node["t"], v)
+        if value is None:
+            raise _fail(w, f"bad {node['t']} literal {v[:40]!r}")
+        out.append((name, value))
+    return tuple(out)
+
+
+def _canonical_number(kind: str, text: str) -> Metric | None:
+    """The value of `text` if it is the writer's exact spelling (``str(int)``, ``float.hex()``),
+    so that one value has one text; else None."""
+    try:
+        if kind == "int":
+            if len(text) > _MAX_INT_DIGITS:
+                return None
+            i = int(text)
+            return i if str(i) == text else None
+        f = float.fromhex(text)
+    except (ValueError, OverflowError):
+        return None
+    return f if f.hex() == text else None
+
+
+def decode_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate a manifest (`where` names it in errors).
+
+    Parsing holds a small multiple of `data` whatever the input (docs/format.md, Limits, has
+    the measurements: ~5x for a model's manifest, ~13x for the worst input measured): see
+    `_compacting_hook` and `MIN_BYTES_PER_ARRAY`. The tree shares its constant nodes and must
+    not be modified.
+
+    Raises:
+        CheckpointCorruptedError: anything this format does not allow.
+    """
+    doc = _load_json(data, where)
+    if doc.get("kind") != "manifest":
+        raise _fail(where, "not a manifest")
+    step = _int(doc, "step", where)
+    world = _int(doc, "world_size", where, 1, 1 << 20)
+    rank = _int(doc, "rank", where, 0, world - 1)
+    algo = _str(doc, "checksum_algorithm", where)
+    files: dict[str, int] = {}
+    shard_files: list[ShardFile] = []
+    for i, f in enumerate(_list(doc, "files", where)):
+        w = f"{where} files[{i}]"
+        if not isinstance(f, dict):
+            raise _fail(w, "not an object with 'name' and 'length'")
+        name = _str(f, "name", w)
+        if not naming.is_safe_file_name(name) or name in files:
+            raise _fail(w, f"file name {name!r} is not a shard name of this format, or repeated")
+        files[name] = _int(f, "length", w)
+        codec = f.get("codec", "raw")
+        if codec not in CODECS:
+            raise _fail(w, f"unsupported codec {codec!r}")
+        stored = None if codec == "raw" else _int(f, "stored_length", w)
+        shard_files.append(ShardFile(name, files[name], codec, stored))
+    raw_entries = _list(doc, "entries", where)
+    decoded: list[Entry] = []
+    for i, e in enumerate(raw_entries):
+        decoded.append(_entry(e, i, files, where))
+        raw_entries[i] = None  # each JSON object goes once its Entry exists: no peak of both
+    entries = tuple(decoded)
+    _check_regions(entries, where)
+    tree = doc.get("tree")
+    if not isinstance(tree, dict) or tree.get("t") != "dict":
+        raise _fail(where, "the tree's root must be a dict node")
+    _check_tree(tree, entries, where, 0)
+    replicated = _replicated_keys(doc, tree, rank, world, where)
+    return Manifest(step, rank, world, algo, tuple(shard_files), entries, tree, replicated)
+
+
+def _replicated_keys(
+    doc: dict[str, Any], tree: JsonNode, rank: int, world: int, where: str
+) -> tuple[tuple[str, str], ...]:
+    """Validate the optional `replicated` list and the `replica` nodes: replica nodes sit only
+    directly under the root, at replicated keys, and point at another rank of this world."""
+    raw = doc.get("replicated", [])
+    if type(raw) is not list:
+        raise _fail(where, "field 'replicated' must be a list of keys")
+    keys: list[tuple[str, str]] = []
+    for k in raw:
+        if not _is_key(k):
+            raise _fail(where, f"bad replicated key {str(k)[:40]!r}")
+        keys.append((k[0], k[1]))
+    if len(set(keys)) != len(keys):
+        raise _fail(where, "repeated key in 'replicated'")
+    root_keys = {(k[0], k[1]) for k in tree["k"]}
+    for k in keys:
+        if k not in root_keys:
+            raise _fail(where, f"replicated key {list(k)!r} is not a top-level key of the tree")
+    listed = set(keys)
+    for k, v in zip(tree["k"], tree["v"], strict=True):
+        if v["t"] != "replica":
+            continue
+        r = v.get("r")
+        if (k[0], k[1]) not in listed or type(r) is not int or not 0 <= r < world or r == rank or len(v) != 2:
+            raise _fail(where, f"bad replica node at key {k!r}")
+    return tuple(keys)
+
+
+def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:
+    w = f"{where} entries[{i}]"
+    if not isinstance(e, dict):
+        raise _fail(w, f"not an object with the fields {sorted(_ENTRY_FIELDS)}")
+    kind = _str(e, "kind", w)
+    dtype = _str(e, "dtype", w)
+    size = itemsize(kind, dtype)
+    if size is None:
+        raise _fail(w, f"unknown kind/dtype {kind!r}/{dtype!r}")
+    shape_v = e.get("shape")
+    if type(shape_v) is not list or len(shape_v) > MAX_NDIM:
+        raise _fail(w, "shape must be a list of at most 64 non-negative integers")
+    for d in shape_v:
+        if type(d) is not int or d < 0:
+            raise _fail(w, f"bad dimension {d!r} in shape")
+    shape = tuple(shape_v)
+    file = _str(e, "file", w)
+    if file not in files:
+        raise _fail(w, f"refers to file {file!r} not listed in 'files'")
+    offset = _int(e, "offset", w)
+    length = _int(e, "length", w)
+    if length != math.prod(shape) * size:
+        raise _fail(w, f"length {length} does not match shape {shape} of {dtype}")
+    if offset + length > files[file]:
+        raise _fail(w, f"bytes [{offset}, {offset + length}) lie outside {file} ({files[file]} bytes)")
+    if kind == "npscalar" and shape:
+        raise _fail(w, "a numpy scalar must have shape []")
+    codec = _str(e, "codec", w)
+    if codec != "raw":
+        raise _fail(w, f"unsupported codec {codec!r}")
+    path = _str(e, "path", w)
+    return Entry(
+        path,
+        kind,
+        dtype,
+        shape,
+        file,
+        offset,
+        length,
+        _checksum_text(_str(e, "checksum", w), w),
+        codec,
+    )
+
+
+def _check_regions(entries: tuple[Entry, ...], where: str) -> None:
+    """Entries either share a region exactly (tied tensors) or do not overlap, so a reader
+    never allocates more than the shard files hold."""
+    regions = sorted({(e.file, e.offset, e.length) for e in entries if e.length})
+    for (f1, o1, n1), (f2, o2, _) in itertools.pairwise(regions):
+        if f1 == f2 and o2 < o1 + n1:
+            raise _fail(where, f"entries overlap in {f1} at bytes {o2}..{o1 + n1}")
+
+
+def _check_tree(node: object, entries: tuple[Entry, ...], where: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise _fail(where, "tree nesting is too deep")
+    if not isinstance(node, dict) or type(node.get("t")) is not str or node["t"] not in _NODE_TYPES:
+        raise _fail(where, f"malformed tree node {str(node)[:80]!r}")
+    t = node["t"]
+    if t == "replica" and depth != 1:  # only a top-level value may live in another rank's part
+        raise _fail(where, "a replica node below the top level")
+    if t in _LEAF_NODE_TYPES:
+        e = node.get("e")
+        if type(e) is not int or not 0 <= e < len(entries) or entries[e].kind != t:
+            raise _fail(where, f"tree refers to a bad entry {e!r}")
+    elif t == "bool":
+        if type(node.get("v")) is not bool:
+            raise _fail(where, "bool node without a bool value")
+    elif t in ("int", "float", "str"):
+        v = node.get("v")
+        if type(v) is not str:
+            raise _fail(where, f"{t} node without a string value")
+        try:
+            if t == "int":
+                if len(v) > _MAX_INT_DIGITS:
+                    raise ValueError("too many digits")
+                int(v)
+            elif t == "float":
+                float.fromhex(v)
+        except (ValueError, OverflowError):
+            raise _fail(where, f"bad {t} literal {v[:40]!r}") from None
+    elif t in ("list", "tuple"):
+        items = node.get("v")
+        if type(items) is not list:
+            raise _fail(where, f"{t} node without items")
+        for item in items:
+            _check_tree(item, entries, where, depth + 1)
+    elif t == "dict":
+        keys, values = node.get("k"), node.get("v")
+        if type(keys) is not list or type(values) is not list or len(keys) != len(values):
+            raise _fail(where, "dict node with mismatched keys and values")
+        for k in keys:
+            if not _is_key(k):
+                raise _fail(where, f"bad dict key {str(k)[:40]!r}")
+        for v in values:
+            _check_tree(v, entries, where, depth + 1)
+    elif t == "stateful":
+        inner = node.get("v")
+        if not isinstance(inner, dict) or inner.get("t") != "dict":
+            raise _fail(where, "stateful node without a dict")
+        _check_tree(inner, entries, where, depth + 1)
+
+
+def _is_key(k: object) -> bool:
+    return (
+        type(k) is list
+        and len(k) == 2
+        and k[0] in ("s", "i")
+        and type(k[1]) is str
+        and (k[0] != "i" or _is_int_text(k[1]))
+    )
+
+
+def _is_int_text(v: str) -> bool:
+    if not 0 < len(v) <= _MAX_INT_DIGITS:
+        return False
+    try:
+        int(v)
+    except ValueError:
+        return False
+    return True
+
+
+def decode_key(k: list[str]) -> str | int:
+    return int(k[1]) if k[0] == "i" else k[1]
+
+
+def replica_owners(m: Manifest) -> list[tuple[tuple[str, str], int]]:
+    """Each replicated top-level key and the rank whose files hold it."""
+    nodes = {(k[0], k[1]): v for k, v in zip(m.tree["k"], m.tree["v"], strict=True)}
+    return [(k, nodes[k]["r"] if nodes[k]["t"] == "replica" else m.rank) for k in m.replicated]
+
+
+def assignment_digest(m: Manifest, with_owners: bool = True) -> str:
+    """Equal on every rank of a step exactly when they agree on who writes which replicated key
+    (without owners: only on which keys are replicated, when each directory has its own copy)."""
+    owners = replica_owners(m) if with_owners else [(k, -1) for k in m.replicated]
+    return json.dumps(owners, separators=(",", ":"))

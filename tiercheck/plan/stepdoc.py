@@ -1,0 +1,63 @@
+"""What one rank's manifest of a step says: a pure function of the staged save.
+
+The writer (`writestep`) builds the manifest from the save's leaves, their offsets in the
+shard and their checksums; the uploader rewrites it when tier 2 stores the shard
+differently (compressed, or packed without another rank's replicated keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..format import naming
+from ..format.manifest import Manifest, ShardFile, build_entries
+from ..format.tree import JsonNode, Leaf
+from .shards import ShardPlan
+
+__all__ = ["shard_manifest", "stored_as", "with_alias_sums"]
+
+
+def shard_manifest(
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    checksum_algorithm: str,
+    leaves: Sequence[Leaf],
+    plan: ShardPlan,
+    sums: Sequence[str],
+    tree: JsonNode,
+    replicated: tuple[tuple[str, str], ...] = (),
+) -> Manifest:
+    """The manifest of one rank's single-shard part of `step` (`sums`: one per leaf)."""
+    shard = naming.shard_name(rank, world_size)
+    return Manifest(
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        checksum_algorithm=checksum_algorithm,
+        files=(ShardFile(shard, plan.total_bytes),),
+        entries=build_entries(leaves, plan.offsets, sums, shard),
+        tree=tree,
+        replicated=replicated,
+    )
+
+
+def with_alias_sums(leaves: Sequence[Leaf], sums: Sequence[str]) -> list[str]:
+    """`sums` with each alias leaf given the checksum of the leaf it aliases."""
+    out = list(sums)
+    for i, leaf in enumerate(leaves):
+        if leaf.alias_of is not None:
+            out[i] = out[leaf.alias_of]
+    return out
+
+
+def stored_as(doc: Manifest, codec: str, stored: Sequence[int]) -> Manifest:
+    """`doc` with its shard files recorded as a tier stores them: `codec`, and the stored
+    sizes when that codec changes them."""
+    files = tuple(
+        ShardFile(f.name, f.length, codec, n if codec != "raw" else None)
+        for f, n in zip(doc.files, stored, strict=True)
+    )
+    return dataclasses.replace(doc, files=files)

@@ -1,0 +1,311 @@
+"""The catalog of a tier: which steps are committed, their markers and manifests, each
+checked against its checksum, and `verify_files`, which checks every byte of a step's shards.
+
+Restore, the uploader (a damaged tier-1 copy is never spread) and the command line all
+read steps through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import CheckpointCorruptedError, NoCheckpointError, StepPrunedError
+from ..format import naming
+from ..format.checksum import ALGORITHMS, checksum_function, checksum_stream, feed_regions
+from ..format.manifest import MAX_MANIFEST_BYTES, Manifest, Marker, decode_key, decode_manifest, decode_marker
+from ..format.tree import JsonNode
+from ..observe.progress import ProgressCallback
+from ..tiers.base import ReadableFile, Tier
+from ..tiers.codec import ZstdFile
+
+__all__ = [
+    "MAX_MARKER_BYTES",
+    "READ_CHUNK",
+    "MissingManifestError",
+    "ReplicaResolver",
+    "ZstdFile",
+    "list_committed",
+    "present_manifests",
+    "pruned_while_read",
+    "read_manifest",
+    "read_manifest_with_bytes",
+    "read_marker",
+    "read_marker_and_guess",
+    "reading_committed",
+    "verify_files",
+]
+
+MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
+READ_CHUNK = 32 << 20
+GUESS_MANIFEST_BYTES = 8 << 20  # a guessed manifest is fetched only if smaller (~200 bytes per tensor)
+
+
+class MissingManifestError(CheckpointCorruptedError):
+    """A committed step's marker lists a manifest this tier does not hold (on a node-local
+    directory: another node's rank)."""
+
+
+def read_marker(tier: Tier, step: int) -> Marker:
+    """Read and check the commit marker of `step`."""
+    where = tier.path_of(step, naming.COMMIT_NAME)
+    try:
+        marker = decode_marker(tier.read_bytes(step, naming.COMMIT_NAME, MAX_MARKER_BYTES), where)
+    except FileNotFoundError:
+        raise NoCheckpointError(f"step {step} is not committed on tier {tier.name!r} ({where})") from None
+    if marker.step != step:
+        raise CheckpointCorruptedError(f"{where}: marker is for step {marker.step}, directory for step {step}")
+    if marker.checksum_algorithm not in ALGORITHMS:
+        raise CheckpointCorruptedError(f"{where}: unknown checksum algorithm {marker.checksum_algorithm!r}")
+    return marker
+
+
+def read_marker_and_guess(tier: Tier, step: int, rank: int, world_size: int | None) -> tuple[Marker, bytes | None]:
+    """`read_marker`, and the bytes of the manifest `rank` of a `world_size`-rank job (None:
+    the fewest ranks that have `rank`) saved, fetched beside the marker (None when not
+    fetched or not there), for `read_manifest`.
+
+    On tier 2 each read is a round trip of its own, and the manifest's name and length are
+    known only from the marker: read one after the other, a fresh-node restore pays two
+    round trips before its first byte of tensor data. The guess costs one request when
+    wrong (a job of another size); its bytes count only if they are the file the marker
+    names and match its checksum (`read_manifest` reads again otherwise)."""
+    world = rank + 1 if world_size is None else world_size
+    if not 0 <= rank < world or tier.capabilities.local_files:
+        return read_marker(tier, step), None  # a local read takes microseconds: no thread for it
+    guess = naming.manifest_name(rank, world)
+    with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest") as pool:
+        early = pool.submit(tier.read_bytes, step, guess, GUESS_MANIFEST_BYTES)
+        marker = read_marker(tier, step)
+        if not 0 <= rank < marker.world_size or marker.manifests[rank].file != guess:
+            early.cancel()
+            return marker, None
+        try:
+            return marker, early.result()
+        except Exception:  # missing, too large, unreadable: the read after the marker says why
+            return marker, None
+
+
+def read_manifest(
+    tier: Tier, step: int, rank: int, marker: Marker | None = None, guessed: bytes | None = None
+) -> Manifest:
+    """Read and verify one rank's manifest of `step` against the commit marker (`guessed`:
+    bytes `read_marker_and_guess` fetched, used if they match the marker)."""
+    return read_manifest_with_bytes(tier, step, rank, marker, guessed)[1]
+
+
+class ReplicaResolver:
+    """The one rule for a replica node, which every reader applies (restore, `load`, the
+    tools): the rank it points at reads and verifies, lists the key as replicated, and holds
+    the value itself. Anything else is corruption naming that rank's manifest and the key.
+
+    `manifests` (rank -> manifest, the reading rank's included) is shared with the caller:
+    each owner's manifest is read once, on first reference, and added to it.
+    """
+
+    def __init__(self, tier: Tier, step: int, marker: Marker, manifests: dict[int, Manifest]) -> None:
+        self._tier = tier
+        self._step = step
+        self._marker = marker
+        self.manifests = manifests
+        self._held: dict[int, dict[tuple[str, ...], JsonNode]] = {}
+
+    def resolve(self, key: Sequence[str], owner_rank: int, referrer: int) -> tuple[Manifest, JsonNode]:
+        """The owner's manifest and its node for the top-level `key` rank `referrer` refers to it for."""
+        if owner_rank not in self._held:
+            if owner_rank not in self.manifests:
+                self.manifests[owner_rank] = read_manifest(self._tier, self._step, owner_rank, self._marker)
+            self._held[owner_rank] = _held_replicated(self.manifests[owner_rank])
+        owner = self.manifests[owner_rank]
+        node = self._held[owner_rank].get(tuple(key))
+        if node is None:
+            where = self._tier.path_of(self._step, naming.manifest_name(owner.rank, owner.world_size))
+            raise CheckpointCorruptedError(
+                f"{where}: does not hold the replicated key {decode_key(list(key))!r} that rank {referrer} refers to"
+            )
+        return owner, node
+
+
+def _held_replicated(owner: Manifest) -> dict[tuple[str, ...], JsonNode]:
+    """The owner's top-level values it lists as replicated and holds itself (not a replica)."""
+    listed = set(owner.replicated)
+    return {
+        tuple(k): v
+        for k, v in zip(owner.tree["k"], owner.tree["v"], strict=True)
+        if tuple(k) in listed and v["t"] != "replica"
+    }
+
+
+def read_manifest_with_bytes(
+    tier: Tier, step: int, rank: int, marker: Marker | None = None, guessed: bytes | None = None
+) -> tuple[bytes, Manifest]:
+    """`read_manifest`, with the bytes it decoded (those the marker's checksum covers)."""
+    if marker is None:
+        marker = read_marker(tier, step)
+    if not 0 <= rank < marker.world_size:
+        raise NoCheckpointError(f"step {step} on tier {tier.name!r} has {marker.world_size} ranks, no rank {rank}")
+    ref = marker.manifests[rank]
+    mwhere = tier.path_of(step, ref.file)
+    if ref.length > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptedError(f"{mwhere}: manifest claims {ref.length} bytes")
+    checksum = checksum_function(marker.checksum_algorithm)
+
+    def matches(data: bytes) -> bool:
+        return len(data) == ref.length and checksum(data) == ref.checksum
+
+    if guessed is not None and matches(guessed):
+        data = guessed
+    else:
+        try:
+            data = tier.read_bytes(step, ref.file, ref.length)
+        except FileNotFoundError:
+            raise MissingManifestError(
+                f"{mwhere}: manifest is missing from a committed step (a node-local directory holds only "
+                "the parts of the ranks that share it: read it with one of their ranks)"
+            ) from None
+        if not matches(data):
+            raise CheckpointCorruptedError(f"{mwhere}: manifest does not match the checksum in its commit marker")
+    manifest = decode_manifest(data, mwhere)
+    if (manifest.step, manifest.rank, manifest.world_size) != (step, rank, marker.world_size):
+        raise CheckpointCorruptedError(
+            f"{mwhere}: manifest names step/rank/world {manifest.step}/{manifest.rank}/{manifest.world_size}"
+        )
+    if manifest.checksum_algorithm != marker.checksum_algorithm:
+        raise CheckpointCorruptedError(
+            f"{mwhere}: checksum algorithm {manifest.checksum_algorithm!r}, marker says {marker.checksum_algorithm!r}"
+        )
+    return data, manifest
+
+
+def present_manifests(tier: Tier, step: int, marker: Marker, ranks: Iterable[int] | None = None) -> Iterator[Manifest]:
+    """The manifests of `ranks` (default: every rank of the step) that this tier holds, each
+    verified against the marker, lowest rank first; a node-local directory holds only the
+    parts of the ranks that share it."""
+    for r in range(marker.world_size) if ranks is None else ranks:
+        try:
+            yield read_manifest(tier, step, r, marker)
+        except MissingManifestError:
+            continue
+
+
+def first_present_manifest(tier: Tier, step: int, marker: Marker) -> Manifest:
+    """The lowest rank's manifest this tier holds: any rank's view holds the replicated keys."""
+    manifest = next(present_manifests(tier, step, marker), None)
+    if manifest is None:
+        raise CheckpointCorruptedError(f"{tier.path_of(step)}: no manifest of any rank is present")
+    return manifest
+
+
+def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCallback | None = None) -> None:
+    """Check every entry's checksum by streaming each shard file through one reused buffer
+    (no allocation per tensor): what the uploader runs before copying a step to tier 2, so a
+    damaged tier-1 copy is never spread. `progress(done, total)` counts the shard bytes read.
+
+    Raises:
+        CheckpointCorruptedError: a shard is missing, short, or an entry's bytes differ.
+    """
+    buf = bytearray(min(READ_CHUNK, max((sf.length for sf in manifest.files), default=0)))
+    view = memoryview(buf)
+    total = sum(sf.length for sf in manifest.files)
+    done = 0
+    for sf in manifest.files:
+        path = tier.path_of(step, sf.name)
+        regions: dict[tuple[int, int], str] = {}
+        for e in manifest.entries:
+            if e.file == sf.name:
+                regions[(e.offset, e.length)] = e.checksum
+        ordered = sorted(regions.items())
+        hashers = [checksum_stream(manifest.checksum_algorithm) for _ in ordered]
+        try:
+            raw = tier.open_file(step, sf.name)
+        except FileNotFoundError:
+            raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
+        f: ReadableFile = ZstdFile(raw, sf.length, path) if sf.codec == "zstd" else raw
+        try:
+            if raw.size != sf.size_on_tier:
+                raise CheckpointCorruptedError(
+                    f"{path}: shard file is {raw.size} bytes, manifest says {sf.size_on_tier}"
+                )
+            first = 0  # regions before this one are complete
+            for pos in range(0, sf.length, READ_CHUNK):
+                n = min(READ_CHUNK, sf.length - pos)
+                try:
+                    f.read_into(pos, view[:n])
+                except EOFError as exc:
+                    raise CheckpointCorruptedError(str(exc)) from None
+                first, _ = feed_regions(ordered, hashers, first, pos, view[:n])
+                if progress is not None:
+                    done += n
+                    progress(done, total)
+            if isinstance(f, ZstdFile):
+                f.check_end()
+        finally:
+            f.close()
+        for ((off, length), expected), h in zip(ordered, hashers, strict=True):
+            if h.hexdigest() != expected:
+                raise CheckpointCorruptedError(f"{path}: checksum mismatch in bytes {off}..{off + length}")
+
+
+def pruned_while_read(tier: Tier, step: int, failure: BaseException) -> StepPrunedError | None:
+    """After a read of committed `step` failed with `failure`: a `StepPrunedError` if the step
+    is no longer committed there (deleted meanwhile: the bytes the read saw change or end
+    were a deletion's, not damage), else None (the failure stands).
+
+    A reader beside a running job (`tiercheck verify`, an evaluation script) meets this when
+    the job's retention deletes the step it is reading: tier 1 hides the step (one rename,
+    marker included) before its shard is truncated or overwritten, and tier 2 deletes the
+    marker first, so a step whose bytes went is one whose marker went first.
+    """
+    if isinstance(failure, StepPrunedError):
+        return failure
+    try:
+        read_marker(tier, step)
+    except NoCheckpointError:
+        return StepPrunedError(
+            f"step {step} on tier {tier.name!r} ({tier.path_of(step)}) was deleted while it was read "
+            f"(a job's retention, or tiercheck prune/rm), not damaged; the read saw: {failure}",
+            step=step,
+        )
+    except Exception:  # the tier cannot answer now: nothing shows the step went
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def reading_committed(tier: Tier, step: int) -> Iterator[None]:
+    """Run a read of committed `step`: a failure of it (missing, short or altered bytes, a
+    marker or manifest gone) is raised as `StepPrunedError` when the step is no longer
+    committed on `tier` (`pruned_while_read`), else as it was."""
+    try:
+        yield
+    except (CheckpointCorruptedError, OSError) as exc:  # NoCheckpointError is an OSError
+        pruned = pruned_while_read(tier, step, exc)
+        if pruned is None or pruned is exc:
+            raise
+        raise pruned from exc
+
+
+def list_committed(tiers: Sequence[Tier]) -> dict[int, list[Tier]]:
+    """Committed steps and the tiers holding each, fastest tier first.
+
+    A tier that cannot be listed (object store down) is skipped with a warning as long as
+    another tier answers; if none does, the first error is raised.
+    """
+    holders: dict[int, list[Tier]] = {}
+    failures: list[BaseException] = []
+    for tier in tiers:
+        try:
+            steps = tier.committed_steps()
+        except Exception as exc:
+            failures.append(exc)
+            warnings.warn(
+                f"tiercheck: cannot list tier {tier.name!r} ({tier.location}): {exc!r}", RuntimeWarning, stacklevel=3
+            )
+            continue
+        for s in steps:
+            holders.setdefault(s, []).append(tier)
+    if failures and len(failures) == len(tiers):
+        raise failures[0]
+    return holders

@@ -1,0 +1,960 @@
+"""The read path: find committed steps, verify them, and bind them into a template.
+
+Reading a step is two-phased: first every byte is read and checked against its
+checksum (tensors land directly in the template's tensors where they can), and only
+when the whole step verified are plain values written and `load_state_dict` called.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError, StepPrunedError
+from ..format.checksum import checksum_function, checksum_stream
+from ..format.dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
+from ..format.manifest import Entry, Manifest, ShardFile, decode_key
+from ..format.tree import ROOT, JsonNode, decode_plain, key_path
+from ..job.agreement import RestoreAgreement
+from ..observe.events import report_missing_keys
+from ..observe.progress import ProgressCallback, part_of
+from ..state.flatten import dtensor_local, is_stateful
+from ..tiers.base import ReadableFile, Tier
+from ..tiers.codec import ZstdFile
+from .catalog import (
+    READ_CHUNK,
+    ReplicaResolver,
+    first_present_manifest,
+    list_committed,
+    read_manifest,
+    read_marker_and_guess,
+    reading_committed,
+)
+
+Producer = Callable[[], object]
+_Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
+_Memory = tuple[tuple[object, ...], int]  # (identity of a template tensor's memory, its byte span)
+_MISSING = object()
+
+
+@dataclass(slots=True)
+class _Read:
+    entry: Entry
+    dest: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class _Mode:
+    """How a template subtree is matched (DESIGN.md section 1, the restore rules).
+
+    Attributes:
+        fill: write into the template's own dicts and lists (the user's state). False inside
+            a stateful object: `load_state_dict` always gets fresh containers, since the ones
+            `state_dict()` returned often alias the object's own state.
+        cast: a template tensor of another dtype is not an error: the value is read into a
+            fresh tensor (optimizer state, which `Optimizer.load_state_dict` casts itself).
+    """
+
+    fill: bool = True
+    cast: bool = False
+
+
+_FRESH = _Mode(fill=False)
+
+
+class _Binder:
+    """Matches a manifest tree against a template and plans the reads.
+
+    Binding raises every template mismatch before a byte is read; the reads then land
+    directly in the template's tensors where the rules allow, and the returned producer
+    writes the rest (plain values, fresh containers, `load_state_dict`) once every byte
+    verified.
+    """
+
+    def __init__(self, manifest: Manifest, step: int, parent: _Binder | None = None) -> None:
+        self.entries = manifest.entries
+        self.step = step
+        self.reads: list[_Read] = parent.reads if parent else []
+        self.fresh: dict[tuple[object, ...], torch.Tensor] = parent.fresh if parent else {}
+        # replica node id -> (the binder of the rank holding the value, the value's node)
+        self.replicas: dict[int, tuple[_Binder, JsonNode]] = parent.replicas if parent else {}
+        # key paths of template keys the checkpoint lacks (an error unless strict=False)
+        self.missing: list[str] = parent.missing if parent else []
+        # template memory lent to the read: (device, address, shape, strides, dtype) ->
+        # (checkpoint region, key path); every lent span, whose reads `place_lent` plans
+        # once all are known; and the groups of them that overlap in memory
+        self.lent: dict[tuple[object, ...], tuple[tuple[object, ...], str]] = parent.lent if parent else {}
+        self.spans: list[_Lent] = parent.spans if parent else []
+        self.overlaps: list[_Overlap] = parent.overlaps if parent else []
+
+    def bind(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
+        t = node["t"]
+        if t == "replica":  # the value lives in another rank's part of this step
+            owner, target = self.replicas[id(node)]
+            return owner.bind(tmpl, target, path, mode)
+        if t in ("tensor", "ndarray", "npscalar", "bytes"):
+            return self._leaf(tmpl, self.entries[node["e"]], path, mode)
+        if t == "dict":
+            return self._mapping(tmpl, node, path, mode)
+        if t == "stateful":
+            return self._mapping(tmpl, node["v"], path, mode)
+        if t in ("list", "tuple"):
+            return self._sequence(tmpl, node, path, mode)
+        value = decode_plain(node)
+        if mode.fill:
+            self._refuse_conflict(tmpl, path, t)
+        return lambda: value
+
+    def _mismatch(self, path: str, what: str) -> StateMismatchError:
+        return StateMismatchError(f"{path}: {what} (checkpoint step {self.step})")
+
+    def _refuse_conflict(self, tmpl: object, path: str, what: str) -> None:
+        """A tensor, array or stateful object in the user's template is never silently
+        replaced by a value of another kind."""
+        if isinstance(tmpl, (torch.Tensor, np.ndarray)) or is_stateful(tmpl):
+            raise self._mismatch(path, f"the template holds a {type(tmpl).__name__}, the checkpoint a {what}")
+
+    # -- leaves
+
+    def _leaf(self, tmpl: object, e: Entry, path: str, mode: _Mode) -> Producer:
+        if e.kind == "tensor":
+            return self._tensor(tmpl, e, path, mode)
+        if mode.fill and not (isinstance(tmpl, np.ndarray) and e.kind == "ndarray"):
+            self._refuse_conflict(tmpl, path, e.kind)
+        if e.kind == "bytes":
+            raw = bytearray(e.length)
+            self.reads.append(_Read(e, memoryview(raw)))
+            return lambda: bytes(raw)
+        npd = numpy_dtype_from_name(e.dtype)
+        assert npd is not None
+        if isinstance(tmpl, np.ndarray) and e.kind == "ndarray":
+            if tmpl.dtype != npd or tmpl.shape != e.shape:
+                raise self._mismatch(
+                    path, f"template array is {tmpl.dtype} {tmpl.shape}, checkpoint has {npd} {e.shape}"
+                )
+            if tmpl.flags.writeable:
+                lent = self._lend(tmpl, _array_memory(tmpl), e, path)
+                if lent is not None:
+                    return lent
+        arr: np.ndarray[Any, Any] = np.empty(e.shape, dtype=npd)
+        self.reads.append(_Read(e, _bytes_of(arr)))
+        if e.kind == "npscalar":
+            return lambda: arr[()]
+        return lambda: arr
+
+    def _tensor(self, tmpl: object, e: Entry, path: str, mode: _Mode) -> Producer:
+        dtype = TORCH_DTYPES[e.dtype]
+        if isinstance(tmpl, torch.Tensor):
+            if type(tmpl) not in (torch.Tensor, torch.nn.Parameter):
+                local = dtensor_local(tmpl, path)
+                if local is not None:  # a DTensor: its local piece is what this rank saved
+                    if torch_dtype_name(local.dtype) != e.dtype or tuple(local.shape) != e.shape:
+                        raise self._mismatch(
+                            path,
+                            f"template DTensor's local piece is {local.dtype} {tuple(local.shape)}, checkpoint "
+                            f"has {dtype} {e.shape}: restore with the same device mesh and placements "
+                            "(resharding is not supported)",
+                        )
+                    fill = self._into_tensor(local, e)
+                    return lambda: (fill(), tmpl)[1]
+            same_dtype = torch_dtype_name(tmpl.dtype) == e.dtype
+            if tuple(tmpl.shape) != e.shape or not (same_dtype or mode.cast):
+                raise self._mismatch(
+                    path, f"template tensor is {tmpl.dtype} {tuple(tmpl.shape)}, checkpoint has {dtype} {e.shape}"
+                )
+            # A meta tensor has no memory to fill: it is materialised from the checkpoint.
+            if same_dtype and tmpl.device.type != "meta":
+                lent = self._lend(tmpl, _tensor_memory(tmpl), e, path)
+                if lent is not None:
+                    return lent
+        elif mode.fill:
+            self._refuse_conflict(tmpl, path, "tensor")
+        region = (e.file, e.offset, e.length, e.dtype, e.shape)
+        fresh = self.fresh.get(region) if e.length else None
+        if fresh is None:  # tied tensors come back tied, read once
+            fresh = self.fresh[region] = torch.empty(e.shape, dtype=dtype)
+            self._plan_read(e, fresh)
+        return lambda: fresh
+
+    def _lend(self, tmpl: _Target, memory: _Memory | None, e: Entry, path: str) -> Producer | None:
+        """Plan the read of `e` into the template's own memory; None when that memory is
+        already lent to another checkpoint value (two template keys share one tensor that
+        the checkpoint holds as two values): then `e` is read into a fresh tensor, which
+        replaces that key's value, so neither read clobbers the other."""
+        if memory is None:  # empty: nothing to read
+            return self._into(tmpl, e)
+        identity, span = memory
+        region = (e.file, e.offset, e.length, e.dtype, e.shape)
+        known = self.lent.get(identity)
+        if known is not None:
+            return (lambda: tmpl) if known[0] == region else None  # tied on both sides: read once
+        self.lent[identity] = (region, path)
+        device, low = str(identity[0]), int(identity[1])  # type: ignore[call-overload]
+        if isinstance(tmpl, torch.Tensor):
+            strides = tuple(s * tmpl.element_size() for s in tmpl.stride())
+            lent = _Lent(tmpl, e, path, device, low, low + span, low, strides)
+        else:  # numpy and CPU tensors can share memory (torch.from_numpy): one address space
+            start = int(tmpl.__array_interface__["data"][0])
+            lent = _Lent(tmpl, e, path, "cpu", low, low + span, start, tuple(tmpl.strides))
+        self.spans.append(lent)
+        return lent
+
+    def _into(self, tmpl: _Target, e: Entry) -> Producer:
+        return self._into_tensor(tmpl, e) if isinstance(tmpl, torch.Tensor) else self._into_array(tmpl, e)
+
+    def place_lent(self) -> None:
+        """Plan the reads into lent template memory, once binding has lent all of it: in
+        place where a span overlaps no other, else read aside as one `_Overlap` per group of
+        views that overlap (transitively), checked and written only once every byte verified."""
+        group: list[_Lent] = []
+        high = 0
+        for lent in sorted(self.spans, key=lambda sp: (sp.device, sp.low)):
+            if group and (lent.device != group[0].device or lent.low >= high):
+                self._place(group)
+                group = []
+            high = lent.high if not group else max(high, lent.high)
+            group.append(lent)
+        if group:
+            self._place(group)
+
+    def _place(self, group: list[_Lent]) -> None:
+        if len(group) == 1:
+            group[0].produce = self._into(group[0].tmpl, group[0].entry)
+            return
+        odd = next((g for g in group if not _plain_memory(g.tmpl)), None)
+        if odd is not None:
+            others = " and ".join(g.path for g in group if g is not odd)
+            raise StateMismatchError(
+                f"{odd.path} and {others}: template tensors overlap in memory, and {odd.path} is a conjugate, "
+                f"negative or expanded view whose bytes cannot be checked against checkpoint step {self.step}; "
+                "give the template separate tensors"
+            )
+        self.overlaps.append(_Overlap(group, self.step))
+        for g in group:
+            g.produce = _returns(g.tmpl)
+
+    def _into_tensor(self, tmpl: torch.Tensor, e: Entry) -> Producer:
+        target = tmpl.detach()
+        if target.device.type == "cpu" and target.is_contiguous() and not target.is_conj() and not target.is_neg():
+            self._plan_read(e, target)
+            return lambda: tmpl
+        staging = torch.empty(e.shape, dtype=target.dtype)
+        self._plan_read(e, staging)
+
+        def copy_back() -> object:
+            target.copy_(staging)
+            return tmpl
+
+        return copy_back
+
+    def _into_array(self, tmpl: np.ndarray[Any, Any], e: Entry) -> Producer:
+        if tmpl.flags.c_contiguous:
+            self.reads.append(_Read(e, _bytes_of(tmpl)))
+            return lambda: tmpl
+        staged: np.ndarray[Any, Any] = np.empty(e.shape, dtype=tmpl.dtype)
+        self.reads.append(_Read(e, _bytes_of(staged)))
+
+        def copy_back() -> object:
+            tmpl[...] = staged
+            return tmpl
+
+        return copy_back
+
+    def _plan_read(self, e: Entry, t: torch.Tensor) -> None:
+        if e.length:
+            flat = t.reshape(-1).view(torch.uint8)
+            self.reads.append(_Read(e, _bytes_of(flat.numpy())))
+        else:
+            self.reads.append(_Read(e, memoryview(b"")))
+
+    # -- containers
+
+    def _mapping(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
+        children = _children(node)
+        if mode.fill and is_stateful(tmpl):
+            return self._load_into(tmpl, children, path, mode)
+        if mode.fill and isinstance(tmpl, Mapping):
+            return self._fill_mapping(tmpl, children, path, mode)
+        if mode.fill:
+            self._refuse_conflict(tmpl, path, "dict")
+        hint: Mapping[Any, Any] = tmpl if isinstance(tmpl, Mapping) and not mode.fill else {}
+        built = [(k, self.bind(hint.get(k), child, key_path(path, k), mode)) for k, child in children.items()]
+        return lambda: {k: p() for k, p in built}
+
+    def _fill_mapping(self, tmpl: Mapping[Any, Any], children: dict[Any, JsonNode], path: str, mode: _Mode) -> Producer:
+        """The user's dict: it gets every key the checkpoint holds (only the top level may
+        name a subset), and a template key the checkpoint lacks is an error or reported."""
+        self.missing.extend(key_path(path, k) for k in tmpl if k not in children)
+        top = path == ROOT
+        producers = [
+            (k, self.bind(tmpl.get(k), child, key_path(path, k), mode))
+            for k, child in children.items()
+            if not top or k in tmpl
+        ]
+
+        def fill() -> object:
+            for k, p in producers:
+                v = p()
+                if k in tmpl and tmpl[k] is v:
+                    continue
+                if not isinstance(tmpl, MutableMapping):
+                    raise self._mismatch(key_path(path, k), "read-only mapping in the template")
+                tmpl[k] = v
+            return tmpl
+
+        return fill
+
+    def _load_into(self, tmpl: Any, children: dict[Any, JsonNode], path: str, mode: _Mode) -> Producer:
+        """A stateful object gets `load_state_dict` with fresh containers. Only modules and
+        optimizers lend the tensors of their `state_dict()` to the read: their
+        `load_state_dict` copies values in (so the model is not held twice in memory); any
+        other object gets fresh tensors, since its `load_state_dict` may clear or zero its
+        own tensors before reading the ones it is given."""
+        hint: Mapping[Any, Any] = {}
+        sub = _FRESH
+        assign = False
+        if isinstance(tmpl, (torch.nn.Module, torch.optim.Optimizer)):
+            try:
+                hint = tmpl.state_dict()
+            except Exception as exc:
+                raise self._mismatch(path, f"{type(tmpl).__name__}.state_dict() raised {exc!r}") from exc
+            if isinstance(tmpl, torch.optim.Optimizer):
+                sub = _Mode(fill=False, cast=True)
+                self._check_param_groups(tmpl, children.get("param_groups"), path)
+                if any(p.device.type == "meta" for g in tmpl.param_groups for p in g["params"]):
+                    raise self._mismatch(
+                        path,
+                        "the optimizer's parameters are on the meta device, where its state cannot be "
+                        "loaded; materialise the model first (restore it, or to_empty()), then build "
+                        "the optimizer over its parameters and restore that",
+                    )
+            else:  # a module built on the meta device (for to_empty()) gets the checkpoint's tensors
+                assign = any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in hint.values())
+        built = [(k, self.bind(hint.get(k), child, key_path(path, k), sub)) for k, child in children.items()]
+
+        def load() -> object:
+            sd = {k: p() for k, p in built}
+            try:
+                if assign:
+                    tmpl.load_state_dict(sd, assign=True)
+                else:
+                    tmpl.load_state_dict(sd)
+            except Exception as exc:
+                raise self._mismatch(
+                    path, f"{type(tmpl).__name__}.load_state_dict() rejected the checkpoint: {exc}"
+                ) from exc
+            return tmpl
+
+        return load
+
+    def _check_param_groups(self, opt: torch.optim.Optimizer, node: JsonNode | None, path: str) -> None:
+        """What `Optimizer.load_state_dict` refuses (another number of parameter groups, or of
+        parameters in a group), refused here, while binding: its own refusal comes after the
+        read, when the model's tensors, filled in place, already hold the checkpoint's."""
+        if node is None or node.get("t") not in ("list", "tuple"):
+            return  # not an optimizer's state dict as saved: load_state_dict says what is wrong
+        groups: list[JsonNode] = node["v"]
+        where = key_path(path, "param_groups")
+        if len(groups) != len(opt.param_groups):
+            raise self._mismatch(
+                where,
+                f"the optimizer has {len(opt.param_groups)} parameter groups, the checkpoint {len(groups)}; "
+                "nothing was restored",
+            )
+        for i, (group, mine) in enumerate(zip(groups, opt.param_groups, strict=True)):
+            if group.get("t") != "dict":
+                continue
+            params = _children(group).get("params")
+            if params is not None and params.get("t") in ("list", "tuple") and len(params["v"]) != len(mine["params"]):
+                raise self._mismatch(
+                    key_path(where, i),
+                    f"the optimizer's group {i} has {len(mine['params'])} parameters, the checkpoint's "
+                    f"{len(params['v'])}; nothing was restored",
+                )
+
+    def _sequence(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
+        """Lists and tuples take the checkpoint's value whatever the template held; a
+        template of the same length lends its elements (tensors filled in place)."""
+        items: list[JsonNode] = node["v"]
+        kind = list if node["t"] == "list" else tuple
+        same = isinstance(tmpl, (list, tuple)) and len(tmpl) == len(items)
+        if mode.fill and not same:
+            self._refuse_conflict(tmpl, path, node["t"])
+        hints: Sequence[object] = tmpl if same else [None] * len(items)  # type: ignore[assignment]
+        producers = [self.bind(hints[i], cv, key_path(path, i), mode) for i, cv in enumerate(items)]
+        if mode.fill and same and isinstance(tmpl, list) and kind is list:
+            target = tmpl
+
+            def fill() -> object:
+                for i, p in enumerate(producers):
+                    v = p()
+                    if target[i] is not v:
+                        target[i] = v
+                return target
+
+            return fill
+        return lambda: kind(p() for p in producers)
+
+
+def _children(node: JsonNode) -> dict[Any, JsonNode]:
+    """A saved dict node's children by their (decoded) keys."""
+    return dict(zip((decode_key(k) for k in node["k"]), node["v"], strict=True))
+
+
+def _tensor_memory(t: torch.Tensor) -> _Memory | None:
+    """(identity, byte span) of a tensor's memory; None when it holds no bytes."""
+    if t.numel() == 0:
+        return None
+    span = (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+    return (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype), span
+
+
+def _array_memory(a: np.ndarray[Any, Any]) -> _Memory | None:
+    if a.size == 0:
+        return None
+    span = sum((n - 1) * abs(st) for n, st in zip(a.shape, a.strides, strict=True)) + a.itemsize  # strides in bytes
+    address = int(a.__array_interface__["data"][0])
+    low = address + sum((n - 1) * st for n, st in zip(a.shape, a.strides, strict=True) if st < 0)
+    return ("numpy", low, a.shape, a.strides, a.dtype.str), span
+
+
+@dataclass(slots=True)
+class _Lent:
+    """Template memory lent to the read of `entry`; `produce` is planned by `place_lent`.
+
+    Attributes:
+        low, high: the byte span the value's elements lie in.
+        start, strides: the address of element 0 and the strides, in bytes.
+    """
+
+    tmpl: _Target
+    entry: Entry
+    path: str
+    device: str
+    low: int
+    high: int
+    start: int
+    strides: tuple[int, ...]
+    produce: Producer | None = None
+
+    def __call__(self) -> object:
+        assert self.produce is not None, "place_lent runs before any value is produced"
+        return self.produce()
+
+    def bytes_view(self, scratch: np.ndarray[Any, Any], low: int) -> np.ndarray[Any, Any]:
+        """The value's bytes as they would lie in `scratch`, a copy of memory from `low` on:
+        shape + (element size,), C order like the checkpoint's bytes."""
+        view: np.ndarray[Any, Any] = np.ndarray(
+            self.byte_shape(), np.uint8, scratch, self.start - low, (*self.strides, 1)
+        )
+        return view
+
+    def byte_shape(self) -> tuple[int, ...]:
+        """The checkpoint value's shape + (element size,): its bytes as a uint8 array."""
+        return (*self.entry.shape, self.entry.length // max(1, int(np.prod(self.entry.shape))))
+
+
+class _Overlap:
+    """Template views that share memory (`b = a[1]`, `base.t()`), the checkpoint holding
+    each as its own value: the values are read aside, then written in key order into a
+    scratch span and read back. Only when every view reads back exactly what was saved
+    (the checkpoint was saved from the same overlapping memory) are they written into the
+    template, and read back there once more; otherwise the restore is refused before any
+    byte of the template changed."""
+
+    def __init__(self, members: list[_Lent], step: int) -> None:
+        self.members = members
+        self.step = step
+        self.staged = [np.empty(m.entry.length, np.uint8) for m in members]
+        self.reads = [_Read(m.entry, _bytes_of(b)) for m, b in zip(members, self.staged, strict=True)]
+
+    def _saved(self, i: int) -> np.ndarray[Any, Any]:
+        return self.staged[i].reshape(self.members[i].byte_shape())
+
+    def check(self) -> None:
+        """Raise StateMismatchError unless one memory state reads back every saved value."""
+        low = min(m.low for m in self.members)
+        scratch = np.zeros(max(m.high for m in self.members) - low, np.uint8)
+        views = [m.bytes_view(scratch, low) for m in self.members]
+        for i, v in enumerate(views):
+            v[...] = self._saved(i)
+        for i, v in enumerate(views):
+            if not np.array_equal(v, self._saved(i)):
+                raise self._disagree(i)
+
+    def _disagree(self, i: int) -> StateMismatchError:
+        m = self.members[i]
+        # a later value in write order overwrote some of this one's bytes
+        later = [o for o in self.members[i + 1 :] if o.low < m.high and m.low < o.high] or [
+            o for o in self.members if o is not m
+        ]
+        return StateMismatchError(
+            f"{m.path} and {later[0].path}: template tensors overlap in memory, and checkpoint step {self.step} "
+            "holds values that disagree where they overlap (it was not saved from memory shared this way); "
+            "give the template separate tensors"
+        )
+
+    def write(self) -> None:
+        """Write the checked values into the template, then read each back (bit-exact)."""
+        for i, m in enumerate(self.members):
+            saved = self.staged[i]
+            if isinstance(m.tmpl, torch.Tensor):
+                value = torch.from_numpy(saved).view(m.tmpl.dtype).reshape(m.tmpl.shape)
+                m.tmpl.detach().copy_(value)
+            else:
+                m.tmpl[...] = saved.view(m.tmpl.dtype).reshape(m.tmpl.shape)
+        for i, m in enumerate(self.members):
+            if isinstance(m.tmpl, torch.Tensor):
+                back = m.tmpl.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            else:
+                back = np.ascontiguousarray(m.tmpl).reshape(-1).view(np.uint8)
+            if not np.array_equal(back, self.staged[i]):
+                raise StateMismatchError(
+                    f"{m.path}: does not read back the value of checkpoint step {self.step} after it was "
+                    "written into the template's overlapping views (was the template changed meanwhile?)"
+                )
+
+
+def _plain_memory(t: _Target) -> bool:
+    """Bytes that are the value: not a conjugate or negative view, no element twice."""
+    if isinstance(t, torch.Tensor):
+        if t.is_conj() or t.is_neg():
+            return False
+        strides = t.stride()
+    else:
+        strides = t.strides
+    return all(st != 0 or n <= 1 for n, st in zip(t.shape, strides, strict=True))
+
+
+def _returns(value: object) -> Producer:
+    return lambda: value
+
+
+def _bytes_of(arr: np.ndarray[Any, Any]) -> memoryview:
+    """A writable byte view of a C-contiguous array's memory."""
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------- reading a step
+
+
+def read_step(
+    tier: Tier,
+    step: int,
+    rank: int,
+    template: object,
+    strict: bool,
+    world_size: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> object:
+    """Read `step` from `tier` into `template` (or fresh values if None); verify every byte.
+
+    Raises:
+        CheckpointCorruptedError: missing, short or altered bytes; the template's tensors
+            may then hold partial data, its plain values and stateful objects are untouched.
+        StateMismatchError: the template does not fit the checkpoint. Raised before any byte
+            is read, except when a stateful object's `load_state_dict` itself rejects the
+            checkpoint after its tensors were filled.
+    """
+    return prepare_step(tier, step, rank, template, strict, world_size, progress)()
+
+
+def prepare_step(
+    tier: Tier,
+    step: int,
+    rank: int,
+    template: object,
+    strict: bool,
+    world_size: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> Producer:
+    """Read and verify `step` (tensors land in the template's tensors); return the function
+    that then writes plain values and calls `load_state_dict` (see `read_step`).
+
+    `world_size` is the restoring job's: when it differs from the checkpoint's, only the
+    replicated top-level keys can be restored, read through rank 0's manifest."""
+    marker, guessed = read_marker_and_guess(tier, step, rank, world_size)  # one round trip for both
+    resized = world_size is not None and world_size != marker.world_size
+    # Resized: any rank's view holds the replicated keys; take the first one this tier has.
+    if resized:
+        manifest = first_present_manifest(tier, step, marker)
+    else:
+        manifest = read_manifest(tier, step, rank, marker, guessed)
+    tree = manifest.tree
+    if world_size is not None and resized:
+        tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)
+    binder = _Binder(manifest, step)
+    manifests = {manifest.rank: manifest}
+    replicas = ReplicaResolver(tier, step, marker, manifests)
+    owners: dict[int, _Binder] = {}
+    for k, node in zip(tree["k"], tree["v"], strict=True):
+        if node["t"] != "replica" or (isinstance(template, Mapping) and decode_key(k) not in template):
+            continue
+        owner, target = replicas.resolve(k, node["r"], manifest.rank)
+        if owner.rank not in owners:
+            owners[owner.rank] = _Binder(owner, step, binder)
+        binder.replicas[id(node)] = (owners[owner.rank], target)
+    files: dict[str, ReadableFile] = {}
+    try:
+        # Sizes first: the manifest's regions are validated against the sizes it declares,
+        # so once those match the real files, nothing below allocates more than they hold.
+        listed: dict[str, ShardFile] = {}
+        for sf in (sf for m in manifests.values() for sf in m.files):
+            path = tier.path_of(step, sf.name)
+            if sf.name in listed:  # two manifests of the step name one file: open it once
+                if listed[sf.name] != sf:
+                    raise CheckpointCorruptedError(f"{path}: manifests of step {step} disagree on this file's size")
+                continue
+            listed[sf.name] = sf
+            try:
+                f = tier.open_file(step, sf.name)
+            except FileNotFoundError:
+                raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
+            files[sf.name] = f
+            if f.size != sf.size_on_tier:
+                raise CheckpointCorruptedError(f"{path}: shard file is {f.size} bytes, manifest says {sf.size_on_tier}")
+            if sf.codec == "zstd":
+                files[sf.name] = ZstdFile(f, sf.length, path)
+        try:
+            produce = binder.bind(template, tree, ROOT, _Mode())
+        except RecursionError:
+            raise CheckpointCorruptedError(f"{tier.path_of(step)}: the state tree is nested too deep") from None
+        except (MemoryError, RuntimeError) as exc:  # sizes a compressed shard cannot bound
+            raise CheckpointCorruptedError(
+                f"{tier.path_of(step)}: cannot allocate what the manifest claims: {exc}"
+            ) from None
+        binder.place_lent()
+        if binder.missing and strict:
+            raise StateMismatchError(
+                f"{', '.join(binder.missing)}: template key(s) not in the checkpoint (step {step}); "
+                "drop them from the template, or restore(state, strict=False) to leave them as they are"
+            )
+        _read_overlaps_first(tier, step, files, binder, manifest.checksum_algorithm, progress)
+        for f in files.values():
+            if isinstance(f, ZstdFile):
+                f.check_end()
+    finally:
+        for f in files.values():
+            f.close()
+    for overlap in binder.overlaps:
+        overlap.write()
+    if not binder.missing:
+        return produce
+    missing = tuple(binder.missing)
+
+    def produce_and_report() -> object:
+        value = produce()
+        report_missing_keys(step, tier.name, missing)
+        return value
+
+    return produce_and_report
+
+
+def _replicated_view(
+    tier: Tier, step: int, manifest: Manifest, saved_world: int, world_size: int, template: object
+) -> JsonNode:
+    """The part of rank 0's tree that any rank of a job of another size may restore: the
+    replicated keys. A template key saved per rank is an error naming it."""
+    tree = manifest.tree
+    replicated = set(manifest.replicated)
+    if isinstance(template, Mapping) and not is_stateful(template):
+        wanted = set(template)
+        per_rank = [decode_key(k) for k in tree["k"] if tuple(k) not in replicated and decode_key(k) in wanted]
+        if per_rank:
+            raise StateMismatchError(
+                f"step {step} ({tier.path_of(step)}) was saved by {saved_world} ranks; this job has "
+                f"{world_size}. Only keys saved as replicated (Checkpointer(replicated=...)) can be restored "
+                f"with another number of ranks: {sorted(map(str, (decode_key(list(k)) for k in replicated)))}. "
+                f"Per-rank keys in the template: {per_rank}; drop them from the template, or restore with "
+                f"{saved_world} ranks (resharding per-rank state is not supported)"
+            )
+    pairs = [(k, v) for k, v in zip(tree["k"], tree["v"], strict=True) if tuple(k) in replicated]
+    return {"t": "dict", "k": [k for k, _ in pairs], "v": [v for _, v in pairs]}
+
+
+def _read_overlaps_first(
+    tier: Tier,
+    step: int,
+    files: Mapping[str, ReadableFile],
+    binder: _Binder,
+    algorithm: str,
+    progress: ProgressCallback | None,
+) -> None:
+    """`_read_verified` of every planned read; the values of overlapping template views
+    first, checked for agreement before any read lands in the template, so a refused
+    restore changes nothing."""
+    if not binder.overlaps:
+        _read_verified(tier, step, files, binder.reads, algorithm, progress)
+        return
+    aside = [r for o in binder.overlaps for r in o.reads]
+    first = sum(len(r.dest) for r in aside)
+    total = first + sum(len(r.dest) for r in binder.reads)
+    _read_verified(tier, step, files, aside, algorithm, part_of(progress, 0, total))
+    for overlap in binder.overlaps:
+        overlap.check()
+    _read_verified(tier, step, files, binder.reads, algorithm, part_of(progress, first, total))
+
+
+def _read_verified(
+    tier: Tier,
+    step: int,
+    files: Mapping[str, ReadableFile],
+    reads: Sequence[_Read],
+    algorithm: str,
+    progress: ProgressCallback | None = None,
+) -> None:
+    """Read every entry in file order, checksumming on a helper thread chunk by chunk while
+    the next chunk is read, so verification costs no time when the disk is the bottleneck.
+    Runs of small entries (`_small_runs`) take one read and one checksum task each."""
+    pending: list[tuple[Entry, Future[str]]] = []
+    batched: list[tuple[list[_Read], Future[list[str]]]] = []
+    total = sum(len(r.dest) for r in reads)
+    done = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-verify") as hasher:
+        try:
+            large, runs = _small_runs(reads)
+            for run in runs:
+                _read_run(files, run)
+                batched.append((run, hasher.submit(_run_digests, algorithm, run)))
+                if progress is not None:
+                    done += sum(len(r.dest) for r in run)
+                    progress(done, total)
+            for r in large:
+                e, dest = r.entry, r.dest
+                h = checksum_stream(algorithm)
+                for pos in range(0, len(dest), READ_CHUNK):
+                    chunk = dest[pos : pos + READ_CHUNK]
+                    try:
+                        files[e.file].read_into(e.offset + pos, chunk)
+                    except EOFError as exc:
+                        raise CheckpointCorruptedError(str(exc)) from None
+                    hasher.submit(h.update, chunk)
+                    if progress is not None:
+                        done += len(chunk)
+                        progress(done, total)
+                pending.append((e, hasher.submit(h.hexdigest)))
+        except BaseException:
+            for fut in [f for _, f in pending] + [f for _, f in batched]:
+                fut.cancel()
+            raise
+        checked = [(e, fut.result()) for e, fut in pending]
+        checked += [(r.entry, digest) for run, bfut in batched for r, digest in zip(run, bfut.result(), strict=True)]
+        for e, digest in checked:
+            if digest != e.checksum:
+                raise CheckpointCorruptedError(
+                    f"{tier.path_of(step, e.file)}: checksum mismatch for {e.path} "
+                    f"(bytes {e.offset}..{e.offset + e.length})"
+                )
+
+
+_SMALL_READ = 1 << 20  # entries up to this size are read in runs (`_small_runs`)
+_RUN_BYTES = 8 << 20  # file bytes one run's read spans at most
+
+
+def _small_runs(reads: Sequence[_Read]) -> tuple[list[_Read], list[list[_Read]]]:
+    """The large reads, and the small ones grouped in runs of one file spanning at most
+    `_RUN_BYTES`, all in file order: a state of many small tensors is read (and hashed) a
+    few MiB per call, not one system call and two checksum tasks per leaf."""
+    large: list[_Read] = []
+    runs: list[list[_Read]] = []
+    for r in sorted(reads, key=lambda r: (r.entry.file, r.entry.offset)):
+        if len(r.dest) > _SMALL_READ:
+            large.append(r)
+            continue
+        run = runs[-1] if runs else None
+        if (
+            run is None
+            or run[0].entry.file != r.entry.file
+            or r.entry.offset + len(r.dest) - run[0].entry.offset > _RUN_BYTES
+        ):
+            runs.append([r])
+        else:
+            run.append(r)
+    return large, runs
+
+
+def _read_run(files: Mapping[str, ReadableFile], run: list[_Read]) -> None:
+    """One read of the file span `run` covers, copied out into each read's destination."""
+    start = run[0].entry.offset
+    end = max(r.entry.offset + len(r.dest) for r in run)
+    span = memoryview(bytearray(end - start))
+    try:
+        files[run[0].entry.file].read_into(start, span)
+    except EOFError as exc:
+        raise CheckpointCorruptedError(str(exc)) from None
+    for r in run:
+        if len(r.dest):  # an empty entry's destination is a read-only b""
+            lo = r.entry.offset - start
+            r.dest[:] = span[lo : lo + len(r.dest)]
+
+
+def _run_digests(algorithm: str, run: list[_Read]) -> list[str]:
+    digest = checksum_function(algorithm)
+    return [digest(r.dest) for r in run]
+
+
+_RELISTS = 3  # how often a step pruned while read makes an automatic restore list the tiers again
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    step: int
+    value: object
+    committed: tuple[int, ...]  # every committed step seen on any tier
+
+
+def restore_from(
+    tiers: Sequence[Tier],
+    template: object,
+    step: int | None,
+    rank: int,
+    strict: bool = True,
+    world_size: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> Restored | None:
+    """Restore the newest verifiable step (or exactly `step`) from the fastest tier having it.
+
+    `world_size` is the restoring job's (see `prepare_step`); None reads rank `rank`'s view
+    whatever the world size of the checkpoint. Returns None when no tier has any committed step.
+    `progress(done, total)` counts the bytes of the step being read (it starts again from 0
+    when a damaged copy makes the read move to another tier or step).
+    """
+    holders = list_committed(tiers)
+    if step is not None:
+        if step not in holders:
+            where = ", ".join(f"{t.name}={t.location}" for t in tiers)
+            raise NoCheckpointError(f"step {step} is not committed on any tier ({where}); committed: {sorted(holders)}")
+        candidates = [step]
+    else:
+        candidates = sorted(holders, reverse=True)
+    if not candidates:
+        return None
+    failures: list[str] = []
+    missing_only = True  # every failure a NoCheckpointError (e.g. no such rank): say so
+    pruned_only = True  # every failure a step deleted while it was read
+    tried: set[int] = set()
+    relists = 0
+    while candidates:
+        s = candidates.pop(0)
+        tried.add(s)
+        for tier in holders[s]:
+            try:
+                with reading_committed(tier, s):
+                    value = read_step(tier, s, rank, template, strict, world_size, progress)
+                return Restored(s, value, tuple(sorted(holders)))
+            except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
+                missing_only = missing_only and isinstance(exc, NoCheckpointError)
+                pruned_only = pruned_only and isinstance(exc, StepPrunedError)
+                failures.append(f"step {s} on tier {tier.name!r}: {exc}")
+                last = tier is holders[s][-1]
+                # A job beside this reader pruned the step: it has saved newer ones meanwhile.
+                relist = step is None and last and isinstance(exc, StepPrunedError) and relists < _RELISTS
+                if step is None or not last:
+                    then = "trying the next tier" if not last else "looking for newer steps" if relist else ""
+                    warnings.warn(
+                        f"tiercheck: cannot restore step {s} from tier {tier.name!r}: {exc}; "
+                        + (then or "trying an older step"),
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                if relist:
+                    relists += 1
+                    holders = list_committed(tiers)
+                    candidates = sorted((c for c in holders if c not in tried), reverse=True)
+    detail = "; ".join(failures)
+    error = NoCheckpointError if missing_only else CheckpointCorruptedError
+    if step is not None:
+        if pruned_only:
+            raise StepPrunedError(f"step {step} cannot be restored: {detail}", step=step)
+        raise error(f"step {step} cannot be restored: {detail}")
+    raise error(f"no committed step could be restored ({len(tried)} tried, newest first): {detail}")
+
+
+def restore_collective(
+    coord: RestoreAgreement,
+    local: Tier | None,
+    remote: Tier | None,
+    template: object,
+    step: int | None,
+    rank: int,
+    world_size: int,
+    strict: bool = True,
+    progress: ProgressCallback | None = None,
+) -> Restored | None:
+    """`restore_from` for one rank of a job: every rank calls it, and all restore the same
+    step, the newest that every rank can read (or exactly `step`).
+
+    Each rank reads its part from its tier 1 when its node has the step there, else from
+    tier 2; a rank whose copy fails verification tries the other tier, and if some rank
+    cannot read a step at all, every rank moves on to the next older candidate.
+    """
+    mine: list[int] = []
+    if local is not None:
+        try:
+            mine = local.committed_steps()
+        except OSError as exc:
+            warnings.warn(f"tiercheck: cannot list tier {local.name!r}: {exc!r}", RuntimeWarning, stacklevel=3)
+
+    def shared() -> list[int]:  # rank 0 only
+        if remote is None:
+            return []
+        try:
+            return remote.committed_steps()
+        except Exception as exc:  # tier 2 down: what every rank's tier 1 holds may still do
+            warnings.warn(f"tiercheck: cannot list tier {remote.name!r}: {exc!r}", RuntimeWarning, stacklevel=4)
+            return []
+
+    candidates = coord.agree_candidates(mine, shared, step)
+    if not candidates:
+        coord.finish_restore(0)
+        if step is not None:
+            raise NoCheckpointError(f"step {step} is not committed on every rank's tiers (rank {rank}: {mine})")
+        return None
+    failures: list[str] = []
+    tried = 0  # outcome rounds run: their keys are deleted at the end
+    try:
+        for i, s in enumerate(candidates):
+            tried = i + 1
+            tiers = [t for t in (local, remote) if t is not None and (t is not local or s in mine)]
+            produce: Producer | None = None
+            why = ""
+            for tier in tiers:
+                try:
+                    with reading_committed(tier, s):
+                        produce = prepare_step(tier, s, rank, template, strict, world_size, progress)
+                    break
+                except StateMismatchError as exc:  # the template is wrong: no older step helps
+                    coord.agree_outcome(i, False, str(exc), fatal=True)
+                    raise
+                except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
+                    why = f"step {s} on tier {tier.name!r}: {exc}"
+                    if tier is not tiers[-1]:
+                        msg = f"tiercheck: cannot restore {why}; trying the next tier"
+                        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            if not tiers:
+                why = f"step {s} is on no tier of rank {rank}"
+            everyone, first, stop = coord.agree_outcome(i, produce is not None, why)
+            if everyone:
+                assert produce is not None
+                return Restored(s, produce(), tuple(sorted(set(mine) | set(candidates))))
+            if stop:
+                raise StateMismatchError(f"restore of step {s} stopped: {first}")
+            failures.append(first)
+            if step is None:
+                warnings.warn(
+                    f"tiercheck: cannot restore step {s} on every rank ({first}); trying an older step",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    finally:
+        coord.finish_restore(tried)
+    detail = "; ".join(failures)
+    if step is not None:
+        raise CheckpointCorruptedError(f"step {step} cannot be restored on every rank: {detail}")
+    raise CheckpointCorruptedError(f"no step could be restored on every rank ({len(candidates)} tried): {detail}")

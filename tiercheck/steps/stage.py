@@ -1,0 +1,316 @@
+"""Host buffers and the copies into them: the only module that touches CUDA.
+
+A `HostBufferPool` holds at most `capacity` page-aligned buffers (pinned when the state
+lives on CUDA). They are allocated on first use, grown only when a state gets larger,
+and reused for every later save, so host memory stays flat from save to save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, SnapshotChangedError
+from ..format.tree import Leaf
+from ..plan.shards import ALIGNMENT, ShardPlan
+from ..state.flatten import FlatState
+
+
+class HostBuffer:
+    """One reusable staging buffer: a uint8 tensor over page-aligned memory."""
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        self.nbytes = nbytes
+        self.pinned = pinned
+        self._mmap: mmap.mmap | None = None
+        if pinned:
+            # cudaHostAlloc memory is page-aligned, usable for O_DIRECT writes.
+            self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        else:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(-1, max(nbytes, ALIGNMENT), flags=flags)
+            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.array: np.ndarray[Any, np.dtype[np.uint8]] = self.tensor.numpy()
+        self.aligned = self.tensor.data_ptr() % ALIGNMENT == 0
+        # The views of the last structure copied into this buffer (`layout_for`).
+        self.layout: tuple[tuple[object, ...], dict[bool | None, _Group]] | None = None
+
+    def view(self, nbytes: int) -> memoryview:
+        return memoryview(self.array[:nbytes])  # type: ignore[arg-type]
+
+    def free(self) -> None:
+        self.layout = None  # its views keep the memory alive
+        del self.array
+        del self.tensor
+        if self._mmap is not None:
+            # BufferError: a view is still alive somewhere; the GC frees the map later.
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+
+
+class HostBufferPool:
+    """At most `capacity` buffers; `acquire` blocks while all are in flight."""
+
+    def __init__(self, capacity: int) -> None:
+        if type(capacity) is not int or capacity < 1:
+            raise InvalidArgumentError(f"host_buffers must be an int >= 1, got {capacity!r}")
+        self._capacity = capacity
+        self._free: list[HostBuffer] = []
+        self._count = 0
+        self._cond = threading.Condition()
+        self.allocations = 0  # how many times memory was (re)allocated: for tests and stats
+
+    def acquire(self, nbytes: int, pinned: bool, timeout: float | None = None) -> HostBuffer:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free or self._count < self._capacity, timeout):
+                raise TimeoutError("no host buffer became free in time")
+            if self._free:
+                buf = max(self._free, key=lambda b: b.nbytes)
+                self._free.remove(buf)
+                if buf.nbytes >= nbytes and buf.pinned == pinned:
+                    return buf
+                buf.free()
+                self._count -= 1
+            self._count += 1
+        try:
+            buf = HostBuffer(nbytes, pinned)
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+        self.allocations += 1
+        return buf
+
+    def release(self, buf: HostBuffer) -> None:
+        with self._cond:
+            if any(b is buf for b in self._free):  # two owners of one buffer would tear saves
+                raise RuntimeError("tiercheck internal error: host buffer released twice")
+            self._free.append(buf)
+            self._cond.notify()
+
+    def clear(self) -> None:
+        with self._cond:
+            for buf in self._free:
+                buf.free()
+            self._count -= len(self._free)
+            self._free.clear()
+
+
+class StagingAborted(Exception):
+    """The copy into the host buffer failed; `save()` raises the cause to its caller."""
+
+
+class StageProgress:
+    """How much of a host buffer's prefix is already copied. The writer and the checksum
+    helper are queued before the copy starts and wait here for the bytes they need.
+
+    The copy reports only its end, not each leaf: a writer or checksum thread woken
+    beside the copy's two threads slowed the blocking copy by 10-15% in a training loop
+    on two CPU cores (benchmarks, docs/performance.md), more than overlapping the write
+    with the copy gained on time to durable."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ready = 0
+        self._failed = False
+
+    def advance(self, upto: int) -> None:
+        with self._cond:
+            if upto > self._ready:
+                self._ready = upto
+                self._cond.notify_all()
+
+    def fail(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
+    def wait(self, upto: int) -> None:
+        """Block until bytes [0, upto) are staged; raise StagingAborted if the copy failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready >= upto or self._failed)
+            if self._ready < upto:
+                raise StagingAborted("the copy into host memory failed")
+
+
+def needs_pinned(sources: Sequence[object]) -> bool:
+    return any(isinstance(s, torch.Tensor) and s.device.type == "cuda" for s in sources)
+
+
+# Copies per torch._foreach_copy_ call of a deferred copy, and bytes per call: small enough
+# that a deferred copy checks the version counters soon after each tensor's copy, large
+# enough that the per-call cost vanishes. A copy before save() returns is bounded by bytes
+# only: between two calls a writer thread may take the GIL for a switch interval (5 ms).
+_BATCH_LEAVES = 1024
+_BATCH_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class _Group:
+    """The leaves one `stage_into` call copies, by how they are copied, with their
+    destination views in the buffer and the batches the CPU and CUDA copies run in."""
+
+    cpu: list[int] = field(default_factory=list)
+    cpu_dst: list[torch.Tensor] = field(default_factory=list)
+    cpu_batches: list[tuple[int, int]] = field(default_factory=list)
+    cuda: list[int] = field(default_factory=list)
+    cuda_dst: list[torch.Tensor] = field(default_factory=list)
+    cuda_batches: list[tuple[int, int]] = field(default_factory=list)
+    other: list[tuple[int, Any]] = field(default_factory=list)  # numpy arrays and bytes
+    all_sources: bool = False  # cpu == range(len(sources)): no gathering needed
+
+
+def _batches(leaves: Sequence[Leaf], idx: list[int], max_leaves: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    start, nbytes = 0, 0
+    for j, i in enumerate(idx):
+        if j > start and (j - start >= max_leaves or nbytes + leaves[i].nbytes > _BATCH_BYTES):
+            out.append((start, j))
+            start, nbytes = j, 0
+        nbytes += leaves[i].nbytes
+    if start < len(idx):
+        out.append((start, len(idx)))
+    return out
+
+
+def _build_layout(buf: HostBuffer, flat: FlatState, plan: ShardPlan) -> dict[bool | None, _Group]:
+    groups: dict[bool | None, _Group] = {None: _Group(), False: _Group(), True: _Group()}
+    flags = flat.deferrable or (False,) * len(flat.leaves)
+    for i, (leaf, src, off, flag) in enumerate(zip(flat.leaves, flat.sources, plan.offsets, flags, strict=True)):
+        if leaf.alias_of is not None or leaf.nbytes == 0:
+            continue
+        dst: Any
+        if isinstance(src, torch.Tensor):
+            dst = buf.tensor[off : off + leaf.nbytes].view(src.dtype).view(src.shape)
+        elif isinstance(src, np.ndarray):
+            dst = buf.array[off : off + leaf.nbytes].view(src.dtype).reshape(src.shape)
+        else:
+            dst = buf.array[off : off + leaf.nbytes]
+        for g in (groups[None], groups[flag]):
+            if not isinstance(src, torch.Tensor):
+                g.other.append((i, dst))
+            elif src.device.type == "cuda":
+                g.cuda.append(i)
+                g.cuda_dst.append(dst)
+            else:
+                g.cpu.append(i)
+                g.cpu_dst.append(dst)
+    for key, g in groups.items():
+        max_leaves = _BATCH_LEAVES if key is True else len(flat.leaves)
+        g.cpu_batches = _batches(flat.leaves, g.cpu, max_leaves)
+        g.cuda_batches = _batches(flat.leaves, g.cuda, max_leaves)
+        g.all_sources = g.cpu == list(range(len(flat.sources)))
+    return groups
+
+
+def layout_for(buf: HostBuffer, flat: FlatState, plan: ShardPlan) -> dict[bool | None, _Group]:
+    """The destination views and copy groups of `flat` in `buf`, built once per structure.
+
+    Reused while `flat.leaves`, `flat.deferrable` and `plan` are the very objects they were
+    built for: only `structure.StructureCache` hands out the same leaves tuple again, and
+    only after checking that every source still has the dtype, shape and device the views
+    were made for. A fresh `flatten_state` makes new tuples, so new views."""
+    key = (flat.leaves, flat.deferrable, plan)
+    cached = buf.layout
+    if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
+        return cached[1]
+    groups = _build_layout(buf, flat, plan)
+    buf.layout = (key, groups)
+    return groups
+
+
+def stage_into(
+    buf: HostBuffer,
+    flat: FlatState,
+    plan: ShardPlan,
+    deferred: bool | None = None,
+    progress: StageProgress | None = None,
+) -> None:
+    """Copy every leaf's bytes into `buf` at the planned offsets; returns when the copy is done.
+
+    `deferred` selects a subset: True copies only the leaves `flat.deferrable` marks, False
+    only the others, None all of them. `progress`, for a full copy, is advanced to the
+    whole buffer once the copy is done (see `StageProgress` for why not leaf by leaf).
+
+    Tensors are copied with ``torch._foreach_copy_`` in batches (`_BATCH_BYTES`), into
+    views built once per structure (`layout_for`): a state of many small tensors costs one
+    call per batch, not one per tensor. Each copy is a ``copy_`` between tensors of the same
+    dtype and shape, so bit-exact for every dtype; non-contiguous sources are read through
+    their strides. CUDA tensors are copied on a side stream with non_blocking copies into
+    pinned memory, then synchronised once, so the default stream of the training loop is
+    not serialised behind the device-to-host transfer.
+    """
+    group = layout_for(buf, flat, plan)[deferred]
+    # A deferred copy runs while training goes on: a tensor changed in place since save()
+    # (its version counter moved) may have been copied torn, so the step must fail.
+    check = deferred is True
+    if check and len(flat.versions) != len(flat.leaves):
+        raise RuntimeError("tiercheck internal error: a deferred copy without the version counters")
+    changed: list[str] = []
+    with torch.no_grad():
+        _copy_cpu(group, flat, changed if check else None)
+        if group.cuda:
+            _copy_cuda(group, flat, changed if check else None)
+        for i, dst in group.other:
+            src = flat.sources[i]
+            if isinstance(src, np.ndarray):
+                np.copyto(dst, src, casting="no")
+            else:
+                assert isinstance(src, bytes)
+                dst[:] = np.frombuffer(src, dtype=np.uint8)
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise SnapshotChangedError(
+            f"{shown} changed in place while save(overlap=True) was still copying it, so this step "
+            "would not be the state at save(): something other than an optimizer in the saved state "
+            "modified it. Put that optimizer in the state, or call handle.wait_staged() before "
+            "modifying the tensor outside optimizer.step()"
+        )
+    if progress is not None:
+        progress.advance(plan.total_bytes)
+
+
+def _changed(flat: FlatState, idx: list[int], srcs: Sequence[torch.Tensor]) -> list[str]:
+    """The paths of `srcs` (leaves `idx`) whose version counter moved since save()."""
+    now = [s._version for s in srcs]
+    then = [flat.versions[i] for i in idx]
+    if now == then:
+        return []
+    return [flat.leaves[i].path for i, a, b in zip(idx, now, then, strict=True) if a != b]
+
+
+def _copy_cpu(group: _Group, flat: FlatState, changed: list[str] | None) -> None:
+    idx = group.cpu
+    if not idx:
+        return
+    sources = flat.sources
+    srcs: Sequence[Any] = sources if group.all_sources else [sources[i] for i in idx]
+    for a, b in group.cpu_batches:
+        part = list(srcs[a:b])
+        torch._foreach_copy_(group.cpu_dst[a:b], part)
+        if changed is not None:
+            changed += _changed(flat, idx[a:b], part)
+
+
+def _copy_cuda(group: _Group, flat: FlatState, changed: list[str] | None) -> None:
+    srcs: list[Any] = [flat.sources[i] for i in group.cuda]
+    device = srcs[0].device
+    stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for a, b in group.cuda_batches:
+            torch._foreach_copy_(group.cuda_dst[a:b], srcs[a:b], non_blocking=True)
+        for s in srcs:
+            s.record_stream(stream)
+    stream.synchronize()
+    if changed is not None:
+        changed += _changed(flat, group.cuda, srcs)

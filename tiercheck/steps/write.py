@@ -1,0 +1,162 @@
+"""Writing one staged step from the host buffer to a tier: shard, manifest, commit.
+
+The shard is written while a checksum thread (the pipeline's, passed in) hashes each leaf
+of the same buffer; both release the GIL. The step is opened while the copy into the buffer
+may still run (`StageProgress`); the shard is written, and the leaves hashed, once it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from ..format import naming
+from ..format.checksum import checksum_function
+from ..format.manifest import Manifest, ManifestRef, Marker, Metric, assignment_digest, encode_manifest
+from ..format.tree import JsonNode, Leaf
+from ..job.commit import commit_step, part_may_commit
+from ..job.coordination import Group
+from ..plan.retarget import Key, Retargeted, region_chunks, retarget
+from ..plan.shards import ShardPlan
+from ..plan.stepdoc import shard_manifest, stored_as, with_alias_sums
+from ..tiers.base import StepWriter, Tier
+from .handle import SaveHandle
+from .stage import HostBuffer, StageProgress
+
+__all__ = ["REGION_BLOCK", "StagedSave", "write_regions", "write_staged"]
+
+REGION_BLOCK = 8 << 20  # bytes per read when packing the regions of a retargeted shard
+
+
+@dataclass(frozen=True, slots=True)
+class StagedSave:
+    """Everything a writer needs for one step; the buffer is the pipeline's until written."""
+
+    step: int
+    rank: int
+    world_size: int
+    tree: JsonNode
+    leaves: tuple[Leaf, ...]
+    plan: ShardPlan
+    buffer: HostBuffer
+    handle: SaveHandle
+    progress: StageProgress | None = None  # set when the writer may start before the copy ends
+    replicated: tuple[tuple[str, str], ...] = ()  # top-level keys the same on every rank
+    # Node-local tier 1: who uploads each replicated key to tier 2 (empty: as on tier 1).
+    remote_owners: tuple[tuple[Key, int], ...] = ()
+    metrics: tuple[tuple[str, Metric], ...] = ()  # recorded in the commit marker
+
+
+def write_staged(
+    tier: Tier,
+    job: StagedSave,
+    *,
+    hasher: Executor,
+    checksum_algorithm: str,
+    group: Group | None,
+    owners: dict[Key, int],
+    owners_agree: bool,
+    reported: Callable[[], object],
+) -> None:
+    """Write `job` to `tier` and commit it (alone, or through the job's vote).
+
+    `owners`: replicated keys other ranks upload, left out of this copy (tier 1 failed and
+    this part goes to tier 2 from host memory); `owners_agree`: whether the ranks must agree
+    on who holds each replicated key (not on a node-local tier 1, where each directory holds
+    its own copies). `reported` runs once this rank's part is published in a job.
+    """
+    if tier.capabilities.space_check:
+        tier.check_space(job.step, job.plan.total_bytes)
+    checksum = checksum_function(checksum_algorithm)
+    batches = checksum_batches(job)
+    futures = [hasher.submit(_batch_checksums, job, checksum, batch) for batch in batches]
+    writer = tier.open_step(job.step, job.rank, shared=group is not None)
+
+    def manifest_with(sums: list[str]) -> Manifest:
+        return shard_manifest(
+            step=job.step,
+            rank=job.rank,
+            world_size=job.world_size,
+            checksum_algorithm=checksum_algorithm,
+            leaves=job.leaves,
+            plan=job.plan,
+            sums=sums,
+            tree=job.tree,
+            replicated=job.replicated,
+        )
+
+    try:
+        view = job.buffer.view(job.plan.total_bytes)
+        shard = naming.shard_name(job.rank, job.world_size)
+        moved = retarget(manifest_with([""] * len(job.leaves)), owners) if owners else None
+        if job.progress is not None:
+            job.progress.wait(len(view))  # the copy reports only its end (`StageProgress`)
+        if moved is None:
+            stored = writer.write_file(shard, view, job.buffer.aligned, compress=True)
+        else:
+            stored = write_regions(writer, shard, lambda o, n: view[o : o + n], moved)
+        sums = [""] * len(job.leaves)
+        for batch, f in zip(batches, futures, strict=True):
+            for i, digest in zip(batch, f.result(), strict=True):
+                sums[i] = digest
+        doc = manifest_with(with_alias_sums(job.leaves, sums))
+        if moved is not None:
+            again = retarget(doc, owners)
+            assert again is not None and again.regions == moved.regions
+            doc = again.manifest
+        manifest = encode_manifest(stored_as(doc, tier.codec, [stored]))
+        mname = naming.manifest_name(job.rank, job.world_size)
+        writer.write_file(mname, memoryview(manifest))
+        ref = ManifestRef(mname, len(manifest), checksum(manifest))
+        marker = Marker(job.step, job.world_size, checksum_algorithm, (), job.metrics)
+        commit_step(group, tier, writer, job.step, ref, marker, assignment_digest(doc, owners_agree), reported)
+    except BaseException as exc:
+        for f in futures:
+            f.cancel()
+        if not part_may_commit(exc):
+            writer.abort()
+        raise
+
+
+def write_regions(
+    writer: StepWriter, name: str, read: Callable[[int, int], bytes | memoryview], moved: Retargeted
+) -> int:
+    """Write the packed shard of a retargeted part; returns the bytes stored."""
+    return writer.write_chunks(
+        name, lambda: region_chunks(read, moved.regions, moved.length, REGION_BLOCK), moved.length, compress=True
+    )
+
+
+CHECKSUM_BATCH = 4 << 20  # bytes of small leaves hashed per task
+
+
+def checksum_batches(job: StagedSave) -> list[list[int]]:
+    """The leaves (not aliases) hashed by one checksum task each: runs of consecutive leaves
+    of about `CHECKSUM_BATCH` bytes, so that a state of many small tensors costs a few
+    tasks, not one per leaf (a task per leaf, submitted beside the copy, took the GIL from
+    it: 20,000 leaves made the copy several times slower)."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    nbytes = 0
+    for i, leaf in enumerate(job.leaves):
+        if leaf.alias_of is not None:
+            continue
+        if run and nbytes + leaf.nbytes > CHECKSUM_BATCH:
+            out.append(run)
+            run, nbytes = [], 0
+        run.append(i)
+        nbytes += leaf.nbytes
+    if run:
+        out.append(run)
+    return out
+
+
+def _batch_checksums(job: StagedSave, checksum: Callable[[memoryview], str], batch: list[int]) -> list[str]:
+    offsets = job.plan.offsets
+    last = batch[-1]
+    end = offsets[last] + job.leaves[last].nbytes
+    if job.progress is not None:
+        job.progress.wait(end)
+    view = job.buffer.view(end)
+    return [checksum(view[offsets[i] : offsets[i] + job.leaves[i].nbytes]) for i in batch]
