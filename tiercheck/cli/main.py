@@ -49,7 +49,7 @@ def bench_script() -> Path | None:
     env = os.environ.get(BENCH_ENV)
     if env:
         return Path(env)
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "stall.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "stall.py"
     return path if path.is_file() else None
 
 
