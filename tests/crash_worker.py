@@ -193,6 +193,7 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
 
     from tiercheck import checkpointer as ckpt_mod
     from tiercheck.tiers import local as local_mod
+    from tiercheck.tiers import recycle as recycle_mod
     from tiercheck.tiers import remote as remote_mod
 
     def nap(fraction: float) -> None:
@@ -321,7 +322,7 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
     wrap(local_mod.LocalTier, "write_file", local_write_file)
     wrap(local_mod.LocalTier, "delete_step", local_delete)
     wrap(local_mod.LocalTier, "reclaim", local_reclaim)
-    wrap(local_mod.LocalTier, "_into_spare", local_into_spare)
+    wrap(recycle_mod.Recycler, "into_spare", local_into_spare)
     # Recycle this worker's ~3.5 MB shards the way a multi-GB state's are (a deleted step's
     # shard overwritten in place by a later step), so kills land in the middle of that too.
     local_mod.LocalTier.RECYCLE_MIN = 1 << 20

@@ -251,7 +251,7 @@ def test_a_step_killed_mid_deletion_is_invisible_and_reclaimed(tmp_path: Path, m
     directory, which the next start-up removes."""
     _save_steps(tmp_path, range(3))
     tier = LocalTier(tmp_path)
-    monkeypatch.setattr("tiercheck.tiers.local.shutil.rmtree", lambda *a, **k: None)  # "killed" here
+    monkeypatch.setattr("tiercheck.tiers.owned.shutil.rmtree", lambda *a, **k: None)  # "killed" here
     tier.delete_step(0)
     monkeypatch.undo()
     names = sorted(os.listdir(tmp_path))

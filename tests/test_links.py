@@ -73,10 +73,10 @@ def save_pruning(ckpt: tiercheck.Checkpointer, tier: LocalTier, steps: range) ->
     """Save `steps` one by one with retention running after each, and each save after the
     reclaimer has freed (or kept as a spare to overwrite) what retention deleted before it."""
     for step in steps:
-        wait_until(lambda: not tier._unreclaimed, f"the reclaimer before step {step}")
+        wait_until(lambda: not tier.recycler.waiting, f"the reclaimer before step {step}")
         ckpt.save(step, state(step)).wait()
         ckpt.wait()
-    wait_until(lambda: not tier._unreclaimed, "the reclaimer")  # a copy (cp -al) meets no file going
+    wait_until(lambda: not tier.recycler.waiting, "the reclaimer")  # a copy (cp -al) meets no file going
 
 
 # ------------------------------------------------------------------ hard links
@@ -199,7 +199,7 @@ def test_the_reclaimer_unlinks_a_linked_file_it_finds_in_the_trash(tmp_path: Pat
     (trash / "link").symlink_to(tmp_path / "user-file")
     os.mkfifo(trash / "fifo")
     before = files_of(outside)
-    tier._largest = 1 << 40  # room for a spare: the shard would be kept to overwrite
+    tier.recycler.note_shard(1 << 40)  # room for a spare: the shard would be kept to overwrite
     tier.set_reclaimer(lambda token: None)
     tier.reclaim(str(trash))
     assert tier.spare_bytes == 0  # a linked file is never kept to overwrite

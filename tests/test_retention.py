@@ -180,7 +180,7 @@ def test_deletion_hides_the_step_before_removing_data(make_ckpt, ckpt_dir, monke
     step2 = ckpt_dir / naming.step_dir_name(2)
     tier = LocalTier(ckpt_dir)
     # "Crash" after the rename that hides the step, before any data is removed.
-    monkeypatch.setattr("tiercheck.tiers.local.shutil.rmtree", lambda *a, **k: None)
+    monkeypatch.setattr("tiercheck.tiers.owned.shutil.rmtree", lambda *a, **k: None)
     tier.delete_step(2)
     monkeypatch.undo()
 

@@ -85,7 +85,7 @@ from ..steps.catalog import list_committed
 from ..steps.handle import SaveHandle
 from ..steps.restore import restore_from
 from ..tiers.base import Tier
-from ..tiers.local import fsync_dir
+from ..tiers.owned import fsync_dir
 
 __all__ = ["POINTER_FORMAT", "TiercheckIO", "load_from_checkpoint", "read_pointer"]
 

@@ -3,29 +3,19 @@
 Durability protocol for a step: files are written into a temp directory, each fsynced;
 the commit marker is written and fsynced last; the temp directory is fsynced, renamed to
 its step name, and the parent fsynced. Deletion renames the step directory to a trash name (so the
-step, marker included, disappears atomically), fsyncs the parent, then removes it.
+step, marker included, disappears atomically), fsyncs the parent, then frees it: at once, or
+on the pipeline's reclaimer thread, its shard kept to be overwritten by the next step
+(`recycle.py`). `check_space` counts that spare as free, frees it when short, and `close`
+frees it.
 
-Recycling: with a reclaimer (the pipeline's), a deleted step's shard file is not freed but
-kept in its trash directory as a spare, and the next shard of about its size is written over
-it in place (renamed into the new step's temp directory, overwritten with O_DIRECT, trimmed,
-fsynced). Freeing a multi-GB file and allocating a new one are both filesystem work that
-training pays for (ext4 frees extents for seconds; with the `discard` mount option the device
-or hypervisor trims them too); overwriting allocated blocks is neither. PostgreSQL recycles
-its WAL segments for the same reason. At most one shard's worth of spares is held (the
-largest shard this tier wrote), so the disk holds what it holds while a save is written;
-`check_space` counts the spare as free, frees it when short, and `close` frees it.
+Links (invariant 8, `owned.py`): a file is written into or truncated only if it is a regular
+file with no other hard link, checked on the descriptor that is written (a step pinned by
+``ln``, or a run forked with ``cp -al``, shares its inodes with this tier: its files only lose
+their name here). A link planted at a step's or a trash directory's name loses only itself;
+nothing is deleted through one.
 
-Links (invariant 8): a file is written into or truncated only if it is a regular file with no
-other hard link, checked on the descriptor that is written (a step pinned by ``ln``, or a run
-forked with ``cp -al``, shares its inodes with this tier: its files only lose their name here).
-A link planted at a step's or a trash directory's name loses only itself; nothing is deleted
-through one.
-
-Ownership: a process writes rank r's part of a directory only while it holds an exclusive
-`flock` on the file ``.tiercheck-lock-rank-<r>`` there (`claim_writer`). The kernel releases
-it when the holder closes it or dies, SIGKILL included, so a killed job never blocks its own
-restart, and a forked child closes its inherited copy at once, so a data-loader worker that
-outlives its trainer does not hold it either. Leftover temp directories are swept only by the
+Ownership: a process writes rank r's part of a directory only while it holds rank r's writer
+lock there (`lock.py`, `claim_writer`). Leftover temp directories are swept only by the
 holder of their rank's lock; readers take no lock and never modify the directory.
 """
 
@@ -36,36 +26,17 @@ import errno
 import os
 import secrets
 import shutil
-import socket
 import stat
-import threading
-import time
-import weakref
 from collections.abc import Callable, Iterator
 
-from ..errors import CheckpointCorruptedError, DirectoryInUseError, InvalidArgumentError
+from ..errors import CheckpointCorruptedError, InvalidArgumentError
 from ..format import naming
 from ..observe.events import logger
 from .base import Capabilities, ReadableFile, StepWriter, Tier
+from .lock import WriterLock
+from .owned import O_DIRECT, fsync_dir, own_dir, remove
+from .recycle import Recycler
 from .throttle import RateLimiter
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: no writer lock
-    fcntl = None  # type: ignore[assignment]
-
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalTier(Tier):
@@ -109,18 +80,14 @@ class LocalTier(Tier):
         self.name = name
         self.location = os.fspath(root)
         self.root = os.path.abspath(self.location)
-        self.direct_io = direct_io and bool(_O_DIRECT)
+        self.direct_io = direct_io and bool(O_DIRECT)
         self.fsync = fsync
         self.block_size = block_size
         self.limiter = RateLimiter(write_rate)
-        self._writer_lock: weakref.finalize[..., LocalTier] | None = None  # closes the lock file
-        self._reclaimer: Callable[[str], None] | None = None
-        self._between: Callable[[], None] | None = None  # called between paced truncates
-        self._unreclaimed: set[str] = set()  # trash directories handed to the reclaimer
-        self._reclaim_lock = threading.Lock()  # guards the two sets above and below
-        self.recycle = recycle and self.direct_io
-        self._spares: list[tuple[str, int]] = []  # (path in a trash directory, size) to overwrite
-        self._largest = 0  # the largest shard written here: the bytes of spares held at most
+        self._writer = WriterLock(self.root)
+        self.recycler = Recycler(
+            recycle and self.direct_io, self.RECYCLE_MIN, self.RECLAIM_STEP, self.RECLAIM_PAUSE_S
+        )
 
     def path_of(self, step: int, name: str | None = None) -> str:
         d = os.path.join(self.root, naming.step_dir_name(step))
@@ -151,8 +118,8 @@ class LocalTier(Tier):
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize
         need = nbytes + nbytes // 100 + (1 << 20)
-        free += self._reusable(nbytes)  # the spare the shard will overwrite
-        if free < need and self._reclaim_now():  # deleted steps still held space: free it now
+        free += self.recycler.reusable(nbytes)  # the spare the shard will overwrite
+        if free < need and self.recycler.reclaim_now():  # deleted steps still held space: free it now
             st = os.statvfs(self.root)
             free = st.f_bavail * st.f_frsize
         if free < need:
@@ -223,7 +190,7 @@ class LocalTier(Tier):
         except FileNotFoundError:
             return
         if planted:  # a link at a step's name: only the name goes, never what it points to
-            _remove(step_dir)
+            remove(step_dir)
             if self.fsync:
                 fsync_dir(self.root)
             return
@@ -234,159 +201,20 @@ class LocalTier(Tier):
             return
         if self.fsync:
             fsync_dir(self.root)
-        reclaimer = self._reclaimer
-        if reclaimer is None:
-            _remove(trash)
-            return
-        with self._reclaim_lock:
-            self._unreclaimed.add(trash)
-        reclaimer(trash)
+        self.recycler.discard(trash)
 
     def set_reclaimer(
         self, reclaimer: Callable[[str], None] | None, between: Callable[[], None] | None = None
     ) -> None:
-        old = self._reclaimer
-        self._reclaimer = reclaimer
-        self._between = between
-        if reclaimer is None and old is not None:  # closing: the spares go with what is queued
-            for token in self._drop_spares():
-                with self._reclaim_lock:
-                    self._unreclaimed.add(token)
-                old(token)
+        self.recycler.set_reclaimer(reclaimer, between)
 
     def reclaim(self, token: str) -> None:
-        """Free trash directory `token`: its shard kept as a spare to be overwritten (module
-        docstring) while the spares are under one shard's size and a reclaimer is set; every
-        other file truncated in `RECLAIM_STEP` pieces, each after `between()` (a pause, and
-        the pipeline holds it back while a save copies: ext4 frees a multi-GB file's extents
-        for seconds in one unlink, on a core and a journal the loop needs), then unlinked."""
-        kept = False
-        # OSError: gone already (check_space reclaimed it), unreadable, or a link: removed below.
-        with contextlib.suppress(OSError):
-            kept = self._reclaim_dir(token)
-        if not kept:
-            _remove(token)
-        with self._reclaim_lock:
-            self._unreclaimed.discard(token)
-
-    def _reclaim_dir(self, token: str) -> bool:
-        """`reclaim`'s work, through a descriptor of the trash directory opened without
-        following a link (one planted in its place is the user's: `_remove` unlinks it).
-        Only a regular file with no other hard link is truncated or kept as a spare: the
-        bytes of a linked one are also another name's (a step pinned by ``ln``, a
-        ``cp -al`` fork), so only this name goes. True if a spare was kept."""
-        dfd = os.open(token, os.O_RDONLY | os.O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
-        try:
-            with os.scandir(dfd) as it:
-                files = [(e.name, e.stat(follow_symlinks=False)) for e in it if e.is_file(follow_symlinks=False)]
-            sole = [(name, st.st_size) for name, st in files if st.st_nlink == 1]
-            spare = max(sole, key=lambda f: f[1]) if sole else None
-            if spare is not None and not self._keep_spare(os.path.join(token, spare[0]), spare[1], hold=False):
-                spare = None
-            for name, _ in files:
-                if spare is None or name != spare[0]:
-                    _free_paced(dfd, name, self.RECLAIM_STEP, self._pace)
-        finally:
-            os.close(dfd)
-        # Last: takeable from now on (`_into_spare` checks the file again when it opens it).
-        return spare is not None and self._keep_spare(os.path.join(token, spare[0]), spare[1], hold=True)
-
-    def _pace(self) -> None:
-        """Before each reclaimed piece: a short pause, then the reclaimer's own gate."""
-        time.sleep(self.RECLAIM_PAUSE_S)
-        between = self._between
-        if between is not None:
-            between()
-
-    def _reclaim_now(self) -> bool:
-        """Free every deleted step still waiting for the reclaimer, and the spares, here; True
-        if any was."""
-        with self._reclaim_lock:
-            pending = list(self._unreclaimed)
-        pending += self._drop_spares()
-        for token in pending:
-            _remove(token)
-            with self._reclaim_lock:
-                self._unreclaimed.discard(token)
-        return bool(pending)
-
-    # -- recycling deleted shards (module docstring) ------------------------------------
+        self.recycler.reclaim(token)
 
     @property
     def spare_bytes(self) -> int:
         """Bytes of deleted steps' shards held now to be overwritten by the next step."""
-        with self._reclaim_lock:
-            return self._held()
-
-    def _held(self) -> int:
-        """Bytes of the spares held; guarded."""
-        return sum(n for _, n in self._spares)
-
-    def _keep_spare(self, path: str, size: int, hold: bool) -> bool:
-        """Whether `path` (a file of a trash directory) may be a spare: recycling is on, a
-        reclaimer is set and the spares stay within one shard's size; with `hold`, hold it."""
-        with self._reclaim_lock:
-            fits = size >= self.RECYCLE_MIN and self._held() + size <= self._largest
-            if not (self.recycle and self._reclaimer is not None and fits):
-                return False
-            if hold:
-                self._spares.append((path, size))
-            return True
-
-    def _pick_spare(self, nbytes: int) -> int | None:
-        """Index of the spare best fit to hold `nbytes` (at most twice as large); guarded."""
-        fits = [(abs(n - nbytes), i) for i, (_, n) in enumerate(self._spares) if n <= 2 * nbytes]
-        return min(fits)[1] if fits else None
-
-    def _reusable(self, nbytes: int) -> int:
-        """Bytes of a spare that a shard of `nbytes` would overwrite instead of allocating."""
-        with self._reclaim_lock:
-            i = self._pick_spare(nbytes)
-            return 0 if i is None else min(self._spares[i][1], nbytes)
-
-    def _take_spare(self, nbytes: int) -> tuple[str, int] | None:
-        with self._reclaim_lock:
-            i = self._pick_spare(nbytes)
-            return None if i is None else self._spares.pop(i)
-
-    def _drop_spares(self) -> list[str]:
-        """Forget every spare; returns their trash directories, for the caller to free."""
-        with self._reclaim_lock:
-            spares, self._spares = self._spares, []
-        return sorted({os.path.dirname(path) for path, _ in spares})
-
-    def _into_spare(self, path: str, nbytes: int) -> int | None:
-        """Move a spare to `path` to be overwritten: an O_DIRECT descriptor of it, or None
-        (no spare fits, or it could not be moved or opened: the caller writes a new file)."""
-        spare = self._take_spare(nbytes)
-        if spare is None:
-            return None
-        old, _ = spare
-        try:
-            os.rename(old, path)
-        except OSError:
-            _remove(os.path.dirname(old))
-            return None
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(old))  # the trash directory, empty now
-        try:
-            fd = os.open(path, os.O_WRONLY | _O_DIRECT | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
-        except OSError:
-            os.unlink(path)
-            return None
-        st = os.fstat(fd)
-        if not _sole_regular(st):  # linked (or replaced) while it waited: its bytes are not only ours
-            os.close(fd)
-            os.unlink(path)
-            return None
-        size = st.st_size
-        if size > nbytes:
-            try:
-                os.ftruncate(fd, nbytes)  # a trimmed tail, small beside what is overwritten
-            except BaseException:
-                os.close(fd)
-                raise
-        return fd
+        return self.recycler.spare_bytes
 
     def remove_leftovers(self, owned: Callable[[int | None], bool] | None = None) -> list[str]:
         """Remove temp and trash directories; with `owned`, only the temp directories of the
@@ -416,90 +244,26 @@ class LocalTier(Tier):
         A directory that cannot hold the lock (full, read-only, no flock on this filesystem)
         is written unlocked, with a warning: the write itself then fails (or not) as before,
         in the background, and never stops training here."""
-        if self._writer_lock is None:
-            path = os.path.join(self.root, naming.lock_name(rank))
+        self._writer.take(rank)
+        with self._writer.sweepable(rank, world_size) as owned:
             try:
-                os.makedirs(self.root, exist_ok=True)
-                fd = self._lock(rank)
+                return self.remove_leftovers(owned)
             except OSError as exc:
-                logger.warning("tiercheck: cannot lock %s (%r); a second writer would not be detected", path, exc)
-                fd = -1
-            if fd is None:
-                raise DirectoryInUseError(
-                    f"{self.root} is already being written for rank {rank} by {_read_holder(path)} "
-                    f"(it holds the lock {path}). Two writers of one directory would delete each "
-                    "other's files. Close or stop the other writer, or give this one its own directory; "
-                    "a Checkpointer that only restores (or tiercheck.load) takes no lock and may run "
-                    f"alongside.{linked_lock_hint(path)}"
-                )
-            if fd >= 0:
-                # Who holds it, for the error a second writer gets; through a descriptor of its
-                # own, closed at once: a file held open for writing would block a read-only
-                # remount of the filesystem.
-                with contextlib.suppress(OSError):
-                    _write_holder(path, fd)
-                self._writer_lock = weakref.finalize(self, _close_quietly, fd)
-                _LOCK_HOLDERS.add(self)
-        borrowed: dict[int, int | None] = {}
-
-        def owned(r: int | None) -> bool:
-            if r is None or r == rank:
-                return True
-            if r < world_size:
-                return False
-            if r not in borrowed:  # held until the sweep ends, so no writer of r starts meanwhile
-                try:
-                    borrowed[r] = self._lock(r)
-                except OSError:
-                    borrowed[r] = None
-            fd = borrowed[r]
-            return fd is not None and fd >= 0
-
-        try:
-            return self.remove_leftovers(owned)
-        except OSError as exc:
-            logger.warning("tiercheck: cannot sweep leftovers in %s: %r", self.root, exc)
-            return []
-        finally:
-            for fd in borrowed.values():
-                if fd is not None and fd >= 0:
-                    _close_quietly(fd)
+                logger.warning("tiercheck: cannot sweep leftovers in %s: %r", self.root, exc)
+                return []
 
     def release_writer(self) -> None:
-        if self._writer_lock is not None:
-            self._writer_lock()  # closing the file releases the lock
-            self._writer_lock = None
-        _LOCK_HOLDERS.discard(self)
-
-    def _lock(self, rank: int) -> int | None:
-        """Try rank `rank`'s lock: an open descriptor that holds it; None if a live process
-        holds it; -1 where this platform has no flock. Raises OSError if the lock file
-        cannot be opened or the filesystem refuses flock."""
-        if fcntl is None:
-            return -1
-        # No link followed: O_CREAT through a dangling one would make a file elsewhere.
-        flags = os.O_RDONLY | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK
-        fd = os.open(os.path.join(self.root, naming.lock_name(rank)), flags, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        self._writer.release()
 
     # -- writing ------------------------------------------------------------------
 
     def write_file(self, path: str, data: memoryview, aligned: bool) -> None:
         if aligned and self.direct_io and len(data) % 4096 == 0:
-            with self._reclaim_lock:
-                self._largest = max(self._largest, len(data))
+            self.recycler.note_shard(len(data))
             try:
-                fd = self._into_spare(path, len(data)) if self.recycle else None
+                fd = self.recycler.into_spare(path, len(data)) if self.recycler.enabled else None
                 if fd is None:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o644)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
                     raise
@@ -511,7 +275,7 @@ class LocalTier(Tier):
                     if exc.errno != errno.EINVAL:
                         raise
                     os.unlink(path)
-                    self.direct_io = self.recycle = False  # remember: this filesystem refuses O_DIRECT
+                    self.direct_io = self.recycler.enabled = False  # remember: this filesystem refuses O_DIRECT
                 else:
                     self._finish(fd)
                     return
@@ -536,36 +300,6 @@ class LocalTier(Tier):
                 os.fsync(fd)
         finally:
             os.close(fd)
-
-
-_LOCK_HOLDERS: weakref.WeakSet[LocalTier] = weakref.WeakSet()
-
-
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-def _read_holder(path: str) -> str:
-    """Who holds a writer lock, as its holder wrote it; this process is named as such."""
-    text = ""
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        text = f.read(200).decode(errors="replace").strip()
-    if text.startswith(f"pid {os.getpid()} "):
-        return "a Checkpointer of this process that is not closed yet"
-    return text or "another process"
-
-
-def _drop_inherited_locks() -> None:
-    # A forked child shares its parent's open lock file: closing the child's copy keeps the
-    # lock with the parent alone, so it is released when the parent dies, whatever children
-    # (data-loader workers) live on.
-    for tier in list(_LOCK_HOLDERS):
-        tier.release_writer()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class _LocalStepWriter(StepWriter):
@@ -626,9 +360,9 @@ class _LocalStepWriter(StepWriter):
             if stat.S_ISDIR(os.lstat(final).st_mode):
                 trash = os.path.join(tier.root, naming.trash_dir_name(self._step))
                 os.rename(final, trash)
-                _remove(trash)
+                remove(trash)
             else:
-                _remove(final)
+                remove(final)
         os.rename(self._tmp, final)
         if tier.fsync:
             fsync_dir(tier.root)
@@ -641,7 +375,7 @@ class _LocalStepWriter(StepWriter):
         final = tier.path_of(self._step)
         if os.path.lexists(os.path.join(final, naming.COMMIT_NAME)):
             raise FileExistsError(errno.EEXIST, "step is already committed", final)
-        _own_dir(final)
+        own_dir(final)
         for name in sorted(os.listdir(self._tmp)):
             dest = os.path.join(final, name)
             os.rename(os.path.join(self._tmp, name), dest)
@@ -713,89 +447,3 @@ class _LocalFile(ReadableFile):
 
     def close(self) -> None:
         os.close(self._fd)
-
-
-def _sole_regular(st: os.stat_result) -> bool:
-    """Whether tiercheck may write into or truncate the file `st` describes: a regular file
-    whose bytes no other name shares (invariant 8)."""
-    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
-
-
-def _remove(path: str) -> None:
-    """Remove a directory tree tiercheck made at `path`, or whatever was planted at that name
-    instead: a link loses only itself, never what it points to. `shutil.rmtree` walks by
-    descriptors and follows no link inside; it only unlinks, which leaves another hard link's
-    bytes to that name."""
-    try:
-        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return
-    if is_dir:
-        shutil.rmtree(path, ignore_errors=True)  # refuses a link swapped in meanwhile
-    else:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def _own_dir(path: str) -> None:
-    """`path` as a directory, created if missing; a link (or file) planted at that name is
-    removed, not written through. Ranks race here: each accepts the directory another made."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path)
-    if stat.S_ISDIR(os.lstat(path).st_mode):
-        return
-    with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # another rank got here first
-        os.unlink(path)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path)
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
-        raise FileExistsError(errno.EEXIST, "not a directory", path)
-
-
-def _free_paced(dfd: int, name: str, step: int, between: Callable[[], None]) -> None:
-    """Free file `name` of directory `dfd`: shrunk to nothing `step` bytes at a time, calling
-    `between()` before each piece, then unlinked. The descriptor truncated is the one checked
-    (no link followed, no other hard link), and checked again before each piece: a link made
-    while the reclaimer paused stops the truncating. Otherwise only the name is unlinked."""
-    fd = os.open(name, os.O_WRONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC, dir_fd=dfd)
-    try:
-        st = os.fstat(fd)
-        size = st.st_size if _sole_regular(st) else 0
-        while size > 0:
-            between()
-            if not _sole_regular(os.fstat(fd)):
-                break
-            size = max(0, size - step)
-            os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-    os.unlink(name, dir_fd=dfd)
-
-
-def _write_holder(path: str, lock_fd: int) -> None:
-    """Write who holds the lock into its file, the one `lock_fd` holds, unless the file has
-    other hard links (a ``cp -al`` copy of the directory): those are not ours to write."""
-    fd = os.open(path, os.O_WRONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
-    try:
-        st, held = os.fstat(fd), os.fstat(lock_fd)
-        if _sole_regular(st) and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
-            os.ftruncate(fd, 0)
-            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-    finally:
-        os.close(fd)
-
-
-def linked_lock_hint(path: str) -> str:
-    """For a refusal over a held lock: where its file has other hard links, the holder may be
-    writing another directory (a ``cp -al`` copy shares its lock files with the original)."""
-    try:
-        links = os.lstat(path).st_nlink
-    except OSError:
-        return ""
-    if links < 2:
-        return ""
-    return (
-        f" The lock file has {links - 1} other hard link(s), as in a copy made with `cp -al`: the "
-        "holder may be writing the other directory. If no writer runs here, delete this directory's "
-        f"lock files ({naming.LOCK_PREFIX}*) and start again."
-    )

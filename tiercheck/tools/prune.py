@@ -28,7 +28,8 @@ from ..errors import DirectoryInUseError, NoCheckpointError
 from ..format import naming
 from ..plan.retention import KeepEvery, KeepLast, RetentionPolicy, plan_deletions
 from ..tiers.base import Tier
-from ..tiers.local import LocalTier, linked_lock_hint
+from ..tiers.local import LocalTier
+from ..tiers.lock import linked_lock_hint
 from .view import tier_at
 
 __all__ = ["PruneResult", "prune_steps", "remove_step", "writers_excluded"]
