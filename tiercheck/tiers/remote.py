@@ -3,7 +3,8 @@
 Object stores have no rename and no fsync, so visibility rests on ordering alone: a
 step's shard files go first, then its manifest, and the commit marker last. A step whose
 upload was cut midway has no marker and is never listed. Deletion removes the marker
-first. Every call is retried on transient errors (see `retry.py`).
+first. Every call is retried on transient errors (see `retry.py`), each attempt bounded in
+time (`calls.py`); what a listing says about steps is `listing.py`.
 
 On S3, Azure and GCS a large file moves as several parts or ranges in flight at once
 (`multipart.py`): one connection carries ~50-100 MB/s, a node's uplink needs many.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -25,15 +25,13 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointCorruptedError, InvalidArgumentError, TierError
 from ..format import naming
-from . import codec, multipart
+from . import calls, codec, listing, multipart
 from .base import Capabilities, ReadableFile, StepWriter, Tier
 from .retry import RetryPolicy
 from .throttle import RateLimiter
 
 T = TypeVar("T")
 logger = logging.getLogger("tiercheck")
-# A step file of one rank's writer: rank-<r>-of-<w>.shard or .manifest.json.
-_RANK_FILE_RE = re.compile(r"rank-([0-9]{5,})-of-[0-9]{5,}\.(?:shard|manifest\.json)", re.ASCII)
 
 
 class RemoteTier(Tier):
@@ -130,21 +128,7 @@ class RemoteTier(Tier):
         self._sweep_lock = threading.Lock()
 
     def _bound_writes(self) -> None:
-        """s3fs/botocore send ``Expect: 100-continue`` on every PUT and aiohttp then waits
-        for the server's interim reply with no timeout, so a write to a hung server never
-        returns whatever ``read_timeout`` says. Dropping the header lets the timeouts bound
-        writes too. Re-applied whenever s3fs has built a new client."""
-        if "s3" not in getattr(self.fs, "protocol", ()):
-            return
-        client = self.fs.s3  # connects on first use
-        if client is self._patched_client:
-            return
-        try:
-            from botocore.handlers import add_expect_header  # type: ignore[import-untyped]
-        except ImportError:  # pragma: no cover - botocore always comes with s3fs
-            return
-        client.meta.events.unregister("before-call.s3", add_expect_header)
-        self._patched_client = client
+        self._patched_client = calls.bound_s3_writes(self.fs, self._patched_client)
 
     def _call(self, what: str, fn: Callable[[], T], nbytes: int = 0, stop: Callable[[], bool] | None = None) -> T:
         """`fn()` retried on transient errors, each attempt bounded by `_attempt`; no retry
@@ -164,33 +148,7 @@ class RemoteTier(Tier):
         self._attempt(what, fn, self.op_timeout)
 
     def _attempt(self, what: str, fn: Callable[[], T], deadline: float) -> T:
-        """Run one attempt on its own daemon thread and stop waiting after `deadline` s.
-
-        A thread stuck in the client (a hung server) is abandoned, not killed. If it
-        finishes later, what it wrote is the same bytes a retry writes, or, in the rare
-        case of a marker upload that hung, gave up and then went through after `abort()`,
-        a marker whose files are gone: restore then finds that step damaged and falls back
-        to an older one; it never returns its bytes."""
-        results: list[T] = []
-        errors: list[BaseException] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                results.append(fn())
-            except BaseException as exc:
-                errors.append(exc)
-            finally:
-                done.set()
-
-        call = threading.Thread(target=run, name="tiercheck-remote-call", daemon=True)
-        call.start()
-        if not done.wait(deadline):
-            raise TimeoutError(f"tier {self.name!r}: {what} took longer than {deadline:.0f}s")
-        call.join()  # past fn(): it ends at once, so no call thread outlives its call
-        if errors:
-            raise errors[0]
-        return results[0]
+        return calls.attempt_within(self.name, what, fn, deadline)
 
     def _path(self, step: int, name: str | None = None) -> str:
         d = f"{self.root}/{naming.step_dir_name(step)}"
@@ -208,7 +166,7 @@ class RemoteTier(Tier):
     def _list_steps(self) -> tuple[list[int], list[int]]:
         """(committed steps, step prefixes holding objects but no marker), one listing."""
 
-        def listing() -> list[str]:
+        def find() -> list[str]:
             self.fs.invalidate_cache(self.root)
             try:
                 found: list[str] = self.fs.find(self.root)
@@ -217,7 +175,7 @@ class RemoteTier(Tier):
             return found
 
         try:
-            found = self._call(f"listing {self.location}", listing)
+            found = self._call(f"listing {self.location}", find)
         except Exception as exc:
             raise TierError(
                 f"tier {self.name!r}: cannot list {self.location}: {type(exc).__name__}: {exc}",
@@ -225,21 +183,7 @@ class RemoteTier(Tier):
                 tier=self.name,
                 path=self.location,
             ) from exc
-        committed: set[int] = set()
-        present: set[int] = set()
-        prefix = self.root.lstrip("/") + "/"
-        for path in found:
-            rel = path.lstrip("/")
-            if not rel.startswith(prefix):
-                continue
-            parts = rel[len(prefix) :].split("/")
-            step = naming.parse_step_dir(parts[0]) if len(parts) == 2 else None
-            if step is None:
-                continue
-            present.add(step)
-            if parts[1] == naming.COMMIT_NAME:
-                committed.add(step)
-        return sorted(committed), sorted(present - committed)
+        return listing.steps_listed(found, self.root)
 
     def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
         self._sweep_unfinished()
@@ -262,10 +206,12 @@ class RemoteTier(Tier):
                 return
             rank, world = self._sweep
             self._sweep = None  # once: a store that refuses the listing is not asked again
+
+            def ours(path: str) -> bool:
+                return listing.written_by(path, self.root, rank, world)
+
             try:
-                aborted = multipart.abort_unfinished(
-                    self._parts, f"{self.root}/", lambda path: self._owned(path, rank, world), self._call_once
-                )
+                aborted = multipart.abort_unfinished(self._parts, f"{self.root}/", ours, self._call_once)
             except Exception as exc:
                 logger.warning(
                     "tier %r: cannot list the unfinished multipart uploads under %s (%r); the bucket's "
@@ -277,19 +223,6 @@ class RemoteTier(Tier):
                 return
             if aborted:
                 logger.warning("tier %r: aborted %d unfinished multipart uploads: %s", self.name, len(aborted), aborted)
-
-    def _owned(self, path: str, rank: int, world: int) -> bool:
-        """Whether `path` is a file of a step that the writer of `rank` makes."""
-        prefix = self.root.lstrip("/") + "/"
-        rel = path.lstrip("/")
-        if not rel.startswith(prefix):
-            return False
-        parts = rel[len(prefix) :].split("/")
-        m = _RANK_FILE_RE.fullmatch(parts[-1]) if len(parts) == 2 else None
-        if m is None or naming.parse_step_dir(parts[0]) is None:
-            return False
-        owner = int(m.group(1))
-        return owner == rank or (rank == 0 and owner >= world)
 
     def abort_uploads_in_flight(self) -> int:
         """Abort this tier's multipart uploads in flight: for a process about to end with
