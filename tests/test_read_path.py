@@ -4,6 +4,7 @@ remote tier compresses with."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
@@ -15,18 +16,22 @@ import torch
 import zstandard
 
 import tiercheck
-from tests.test_replica_format import CHECKSUM, STEP, rank_state, two_rank_parts, write_step
+from tests.test_replica_format import CHECKSUM, STEP, rank_state, two_rank_parts
+from tests.test_replica_format import write_step as write_parts
 from tiercheck.__main__ import main
 from tiercheck.errors import CheckpointCorruptedError
 from tiercheck.format import naming
-from tiercheck.format.manifest import decode_manifest, decode_marker, encode_manifest, encode_marker
+from tiercheck.format.manifest import ShardFile, decode_manifest, decode_marker, encode_manifest, encode_marker
 from tiercheck.format.tree import decode_plain
 from tiercheck.state.flatten import flatten_state
+from tiercheck.steps.catalog import read_manifest, verify_files
 from tiercheck.steps.restore import restore_from
 from tiercheck.tiers import codec
 from tiercheck.tiers.base import ReadableFile
 from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.remote import RemoteTier
 from tiercheck.tools import export_step
+from tiercheck.tools.step_writer import memory_chunks, write_step
 from tiercheck.tools.view import open_view
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -56,7 +61,7 @@ def _unlist_on_owner(root: Path, key: list[str]) -> None:
 @pytest.fixture
 def unlisted(tmp_path: Path) -> Path:
     root = tmp_path / "job"
-    write_step(root, two_rank_parts({"model": 0, "optimizer": 1}))
+    write_parts(root, two_rank_parts({"model": 0, "optimizer": 1}))
     _unlist_on_owner(root, ["s", "model"])
     return root
 
@@ -169,3 +174,111 @@ def test_codec_refuses_a_corrupted_frame_and_a_wrong_length() -> None:
         codec.ZstdFile(_Bytes(good), len(data) - 1, "long.shard").check_end()
     with pytest.raises(CheckpointCorruptedError, match="ends at byte"):
         codec.ZstdFile(_Bytes(good), len(data) + 1, "short.shard").check_end()
+
+
+# ------------------------------------------------------------------ the one shard opener
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tiercheck"
+OPENER = "steps/catalog.py"
+# The tiers themselves (their implementations and wrappers) and the tier test kit may open
+# a tier's files; every other reader goes through the opener.
+MAY_OPEN = ("tiers/", "testing/")
+
+
+def _shard_opens(path: Path) -> list[str]:
+    """`open_file(`, `local_file(` and `ZstdFile(` calls in the module at `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name in ("open_file", "local_file", "ZstdFile"):
+            found.append(f"{name}( at line {node.lineno}")
+    return found
+
+
+def test_only_the_opener_opens_shard_files() -> None:
+    openers = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(MAY_OPEN):
+            continue
+        calls = _shard_opens(path)
+        if calls:
+            openers[rel] = calls
+    assert list(openers) == [OPENER], f"shard files opened outside catalog.ShardFiles: {openers}"
+    assert {c.split("(")[0] for c in openers[OPENER]} == {"open_file", "local_file", "ZstdFile"}
+
+
+def _zstd_step(root: Path, step: int, state: dict[str, Any]) -> None:
+    """`state` as tier 2 stores it compressed (the import tool's writer; no Checkpointer)."""
+    tier = RemoteTier(str(root), compression="zstd")
+    flat = flatten_state(state)
+    write_step(tier, step, flat, lambda i: memory_chunks(flat.sources[i]))
+
+
+def _rewrite_manifest(step_dir: Path, rank: int, world: int, edit: Any) -> None:
+    """Replace one manifest by `edit(manifest)`, and its checksum in the marker, both encoded
+    by the library, so that the step verifies up to what `edit` changed."""
+    path = step_dir / naming.manifest_name(rank, world)
+    data = encode_manifest(edit(decode_manifest(path.read_bytes(), path.name)))
+    path.write_bytes(data)
+    marker = decode_marker((step_dir / naming.COMMIT_NAME).read_bytes(), "marker")
+    refs = tuple(
+        dataclasses.replace(r, length=len(data), checksum=CHECKSUM(data)) if r.file == path.name else r
+        for r in marker.manifests
+    )
+    (step_dir / naming.COMMIT_NAME).write_bytes(encode_marker(dataclasses.replace(marker, manifests=refs)))
+
+
+def test_a_compressed_shard_longer_than_declared_is_refused_by_every_reader(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "z"
+    state = {"model": {"w": torch.arange(5000, dtype=torch.float32)}, "n": 3}
+    _zstd_step(root, 4, state)
+    assert torch.equal(tiercheck.load(root, 4)["model"]["w"], state["model"]["w"])
+    step_dir = root / naming.step_dir_name(4)
+    shard = step_dir / naming.shard_name(0, 1)
+    # A second frame: every entry still reads and verifies, but the shard decompresses to
+    # more than its manifest declares; the stored size is brought in line with the file.
+    with shard.open("ab") as f:
+        f.write(_compress(b"trailing bytes no manifest declares"))
+
+    def grown(m: Any) -> Any:
+        return dataclasses.replace(m, files=(dataclasses.replace(m.files[0], stored_length=shard.stat().st_size),))
+
+    _rewrite_manifest(step_dir, 0, 1, grown)
+    with pytest.raises(CheckpointCorruptedError, match="decompresses to more"):
+        tiercheck.load(root, 4)
+    with pytest.raises(CheckpointCorruptedError, match="decompresses to more"):
+        export_step(root, tmp_path / "out.pt", step=4)
+    assert not (tmp_path / "out.pt").exists()
+    with pytest.raises(CheckpointCorruptedError, match="decompresses to more"):
+        verify_files(LocalTier(root), 4, read_manifest(LocalTier(root), 4, 0))
+    assert main(["verify", str(root)]) == 1
+    assert "decompresses to more" in capsys.readouterr().out
+
+
+def test_manifests_disagreeing_on_a_file_are_refused_by_restore_and_the_tools(tmp_path: Path) -> None:
+    root = tmp_path / "job"
+    write_parts(root, two_rank_parts({"model": 0, "optimizer": 0}))
+    step_dir = root / naming.step_dir_name(STEP)
+    owner_shard = naming.shard_name(0, 2)
+    # Rank 1's manifest also names rank 0's shard (its replicas' file), of the right size
+    # but as compressed: the first record a reader meets opens; the second disagrees.
+    size = (step_dir / owner_shard).stat().st_size
+    listed = ShardFile(owner_shard, size, "zstd", size)
+    _rewrite_manifest(step_dir, 1, 2, lambda m: dataclasses.replace(m, files=(*m.files, listed)))
+    refusal = rf"{owner_shard}: manifests of step {STEP} disagree on this file's size"
+    with pytest.raises(CheckpointCorruptedError, match=refusal):
+        restore_from([LocalTier(root)], rank_state(1), STEP, 1)
+    with pytest.raises(CheckpointCorruptedError, match=refusal):
+        tiercheck.load(root, STEP, rank=1)
+    with pytest.raises(CheckpointCorruptedError, match=refusal):
+        open_view(LocalTier(root), STEP, rank=1)
+    with pytest.raises(CheckpointCorruptedError, match=refusal):
+        export_step(root, tmp_path / "out.pt", step=STEP, rank=1)
+    # Rank 0's view never meets rank 1's manifest: it reads as it did.
+    assert torch.equal(tiercheck.load(root, STEP, rank=0)["model"]["w"], rank_state(0)["model"]["w"])

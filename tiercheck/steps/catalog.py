@@ -1,8 +1,9 @@
 """The catalog of a tier: which steps are committed, their markers and manifests, each
-checked against its checksum, and `verify_files`, which checks every byte of a step's shards.
+checked against its checksum; `ShardFiles`, the one opener of a step's shard files; and
+`verify_files`, which checks every byte of a step's shards through it.
 
-Restore, the uploader (a damaged tier-1 copy is never spread) and the command line all
-read steps through here.
+Restore, `load`, the tools, both uploaders (a damaged tier-1 copy is never spread) and the
+command line all read steps through here.
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StepPrunedError
 from ..format import naming
 from ..format.checksum import ALGORITHMS, checksum_function, checksum_stream, feed_regions
-from ..format.manifest import MAX_MANIFEST_BYTES, Manifest, Marker, decode_key, decode_manifest, decode_marker
+from ..format.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    Marker,
+    ShardFile,
+    decode_key,
+    decode_manifest,
+    decode_marker,
+)
 from ..format.tree import JsonNode
 from ..observe.progress import ProgressCallback
-from ..tiers.base import ReadableFile, Tier
+from ..tiers.base import ReadableFile, StepWriter, Tier
 from ..tiers.codec import ZstdFile
 
 __all__ = [
@@ -26,7 +35,7 @@ __all__ = [
     "READ_CHUNK",
     "MissingManifestError",
     "ReplicaResolver",
-    "ZstdFile",
+    "ShardFiles",
     "list_committed",
     "present_manifests",
     "pruned_while_read",
@@ -35,11 +44,13 @@ __all__ = [
     "read_marker",
     "read_marker_and_guess",
     "reading_committed",
+    "shard_files",
     "verify_files",
 ]
 
 MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
 READ_CHUNK = 32 << 20
+COPY_BLOCK = 8 << 20  # bytes per read when a shard is copied through the opener
 GUESS_MANIFEST_BYTES = 8 << 20  # a guessed manifest is fetched only if smaller (~200 bytes per tensor)
 
 
@@ -198,6 +209,144 @@ def first_present_manifest(tier: Tier, step: int, marker: Marker) -> Manifest:
     return manifest
 
 
+class ShardFiles:
+    """The one shard opener: the shard files of committed `step` on `tier`, open for reading
+    their bytes as the manifest declares them. Every reader of shard bytes goes through it
+    (restore, `load`, `verify_files`, the tools, both uploaders); `tests/test_read_path.py`
+    checks that no other module opens a shard.
+
+    Each file is opened once (two manifests naming one file must agree on it); a missing
+    file, or one whose size on the tier is not the manifest's, is corrupted before a byte is
+    read; a zstd shard is decompressed (`codec.ZstdFile`) and `check_ends` checks it holds
+    exactly its declared bytes; a short read is corrupted. A failure of any of these while
+    the step's marker is gone is raised as `StepPrunedError` (`reading_committed`).
+    Use as a context manager: every file is closed on exit.
+    """
+
+    def __init__(self, tier: Tier, step: int, files: Iterable[ShardFile]) -> None:
+        self.tier = tier
+        self.step = step
+        self.listed: dict[str, ShardFile] = {}
+        self._files: dict[str, ReadableFile] = {}
+        try:
+            with reading_committed(tier, step):
+                for sf in files:
+                    self._open(sf)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, sf: ShardFile) -> None:
+        path = self.tier.path_of(self.step, sf.name)
+        if sf.name in self.listed:
+            if self.listed[sf.name] != sf:
+                raise CheckpointCorruptedError(f"{path}: manifests of step {self.step} disagree on this file's size")
+            return
+        self.listed[sf.name] = sf
+        try:
+            raw = self.tier.open_file(self.step, sf.name)
+        except FileNotFoundError:
+            raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
+        self._files[sf.name] = raw
+        if raw.size != sf.size_on_tier:
+            raise CheckpointCorruptedError(f"{path}: shard file is {raw.size} bytes, manifest says {sf.size_on_tier}")
+        if sf.codec == "zstd":
+            self._files[sf.name] = ZstdFile(raw, sf.length, path)
+
+    def __enter__(self) -> ShardFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
+
+    def read_into(self, name: str, offset: int, dest: memoryview) -> None:
+        """Fill `dest` with the (decoded) bytes of shard `name` from `offset`."""
+        with reading_committed(self.tier, self.step):
+            try:
+                self._files[name].read_into(offset, dest)
+            except EOFError as exc:
+                raise CheckpointCorruptedError(str(exc)) from None
+
+    def read(self, name: str, offset: int, n: int) -> bytes:
+        """`n` (decoded) bytes of shard `name` from `offset`."""
+        buf = bytearray(n)
+        self.read_into(name, offset, memoryview(buf))
+        return bytes(buf)
+
+    def check_ends(self) -> None:
+        """Raise CheckpointCorruptedError unless every compressed shard decompresses to
+        exactly its declared length (a raw one's size was checked at open)."""
+        with reading_committed(self.tier, self.step):
+            for f in self._files.values():
+                if isinstance(f, ZstdFile):
+                    f.check_end()
+
+    def verified_chunks(self, name: str, manifest: Manifest, buf: memoryview | None = None) -> Iterator[memoryview]:
+        """The whole of shard `name`, front to back through `buf` (default: a fresh buffer of
+        up to `READ_CHUNK` bytes), every entry of `manifest` in it checked against its
+        checksum as its last byte passes: a chunk completing an entry is yielded only once
+        the entry matched, and the last one only once the shard held exactly its bytes.
+        Each chunk is valid until the next is asked for."""
+        sf = self.listed[name]
+        path = self.tier.path_of(self.step, name)
+        regions = sorted({(e.offset, e.length): e.checksum for e in manifest.entries if e.file == name}.items())
+        hashers = [checksum_stream(manifest.checksum_algorithm) for _ in regions]
+        if buf is None:
+            buf = memoryview(bytearray(min(READ_CHUNK, sf.length)))
+        first = 0  # regions before this one are complete
+        for pos in range(0, sf.length, max(len(buf), 1)):
+            n = min(len(buf), sf.length - pos)
+            self.read_into(name, pos, buf[:n])
+            first, completed = feed_regions(regions, hashers, first, pos, buf[:n])
+            for i in completed:
+                (off, length), expected = regions[i]
+                if hashers[i].hexdigest() != expected:
+                    raise CheckpointCorruptedError(
+                        f"step {self.step}: {path}: checksum mismatch in bytes {off}..{off + length}"
+                    )
+            if pos + n == sf.length:
+                self._check_end(name)
+            yield buf[:n]
+        if sf.length == 0:
+            self._check_end(name)
+
+    def _check_end(self, name: str) -> None:
+        f = self._files[name]
+        if isinstance(f, ZstdFile):
+            with reading_committed(self.tier, self.step):
+                f.check_end()
+
+    def copy_to(self, writer: StepWriter, name: str) -> int:
+        """Write the (decoded) bytes of shard `name` through `writer`, compressed if its tier
+        compresses; return the bytes stored. Not verified: the caller ran `verify_files`."""
+        sf = self.listed[name]
+        if sf.codec == "raw" and self.tier.capabilities.local_files:  # the tier streams from the file
+            return writer.write_from_path(name, self.tier.local_file(self.step, name), compress=True)
+
+        def chunks() -> Iterator[bytes]:
+            for pos in range(0, sf.length, COPY_BLOCK):
+                yield self.read(name, pos, min(COPY_BLOCK, sf.length - pos))
+
+        return writer.write_chunks(name, chunks, sf.length, compress=True)
+
+
+def shard_files(tier: Tier, step: int, manifests: Iterable[Manifest]) -> tuple[ShardFile, ...]:
+    """Every shard file `manifests` name, once, in order; two manifests naming one file
+    must agree on it (the rule `ShardFiles` applies)."""
+    listed: dict[str, ShardFile] = {}
+    for sf in (sf for m in manifests for sf in m.files):
+        if listed.setdefault(sf.name, sf) != sf:
+            raise CheckpointCorruptedError(
+                f"{tier.path_of(step, sf.name)}: manifests of step {step} disagree on this file's size"
+            )
+    return tuple(listed.values())
+
+
 def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCallback | None = None) -> None:
     """Check every entry's checksum by streaming each shard file through one reused buffer
     (no allocation per tensor): what the uploader runs before copying a step to tier 2, so a
@@ -205,47 +354,17 @@ def verify_files(tier: Tier, step: int, manifest: Manifest, progress: ProgressCa
 
     Raises:
         CheckpointCorruptedError: a shard is missing, short, or an entry's bytes differ.
+        StepPrunedError: that, but the step is no longer committed: deleted meanwhile.
     """
-    buf = bytearray(min(READ_CHUNK, max((sf.length for sf in manifest.files), default=0)))
-    view = memoryview(buf)
+    buf = memoryview(bytearray(min(READ_CHUNK, max((sf.length for sf in manifest.files), default=0))))
     total = sum(sf.length for sf in manifest.files)
     done = 0
-    for sf in manifest.files:
-        path = tier.path_of(step, sf.name)
-        regions: dict[tuple[int, int], str] = {}
-        for e in manifest.entries:
-            if e.file == sf.name:
-                regions[(e.offset, e.length)] = e.checksum
-        ordered = sorted(regions.items())
-        hashers = [checksum_stream(manifest.checksum_algorithm) for _ in ordered]
-        try:
-            raw = tier.open_file(step, sf.name)
-        except FileNotFoundError:
-            raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
-        f: ReadableFile = ZstdFile(raw, sf.length, path) if sf.codec == "zstd" else raw
-        try:
-            if raw.size != sf.size_on_tier:
-                raise CheckpointCorruptedError(
-                    f"{path}: shard file is {raw.size} bytes, manifest says {sf.size_on_tier}"
-                )
-            first = 0  # regions before this one are complete
-            for pos in range(0, sf.length, READ_CHUNK):
-                n = min(READ_CHUNK, sf.length - pos)
-                try:
-                    f.read_into(pos, view[:n])
-                except EOFError as exc:
-                    raise CheckpointCorruptedError(str(exc)) from None
-                first, _ = feed_regions(ordered, hashers, first, pos, view[:n])
+    with ShardFiles(tier, step, manifest.files) as shards:
+        for sf in manifest.files:
+            for chunk in shards.verified_chunks(sf.name, manifest, buf):
                 if progress is not None:
-                    done += n
+                    done += len(chunk)
                     progress(done, total)
-            if isinstance(f, ZstdFile):
-                f.check_end()
-        finally:
-            f.close()
-        for ((off, length), expected), h in zip(ordered, hashers, strict=True):
-            if h.hexdigest() != expected:
-                raise CheckpointCorruptedError(f"{path}: checksum mismatch in bytes {off}..{off + length}")
 
 
 def pruned_while_read(tier: Tier, step: int, failure: BaseException) -> StepPrunedError | None:

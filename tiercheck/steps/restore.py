@@ -19,17 +19,17 @@ import torch
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError, StepPrunedError
 from ..format.checksum import checksum_function, checksum_stream
 from ..format.dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
-from ..format.manifest import Entry, Manifest, ShardFile, decode_key
+from ..format.manifest import Entry, Manifest, decode_key
 from ..format.tree import ROOT, JsonNode, decode_plain, key_path
 from ..job.agreement import RestoreAgreement
 from ..observe.events import report_missing_keys
 from ..observe.progress import ProgressCallback, part_of
 from ..state.flatten import dtensor_local, is_stateful
-from ..tiers.base import ReadableFile, Tier
-from ..tiers.codec import ZstdFile
+from ..tiers.base import Tier
 from .catalog import (
     READ_CHUNK,
     ReplicaResolver,
+    ShardFiles,
     first_present_manifest,
     list_committed,
     read_manifest,
@@ -600,27 +600,9 @@ def prepare_step(
         if owner.rank not in owners:
             owners[owner.rank] = _Binder(owner, step, binder)
         binder.replicas[id(node)] = (owners[owner.rank], target)
-    files: dict[str, ReadableFile] = {}
-    try:
-        # Sizes first: the manifest's regions are validated against the sizes it declares,
-        # so once those match the real files, nothing below allocates more than they hold.
-        listed: dict[str, ShardFile] = {}
-        for sf in (sf for m in manifests.values() for sf in m.files):
-            path = tier.path_of(step, sf.name)
-            if sf.name in listed:  # two manifests of the step name one file: open it once
-                if listed[sf.name] != sf:
-                    raise CheckpointCorruptedError(f"{path}: manifests of step {step} disagree on this file's size")
-                continue
-            listed[sf.name] = sf
-            try:
-                f = tier.open_file(step, sf.name)
-            except FileNotFoundError:
-                raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
-            files[sf.name] = f
-            if f.size != sf.size_on_tier:
-                raise CheckpointCorruptedError(f"{path}: shard file is {f.size} bytes, manifest says {sf.size_on_tier}")
-            if sf.codec == "zstd":
-                files[sf.name] = ZstdFile(f, sf.length, path)
+    # Sizes first: the manifest's regions are validated against the sizes it declares, so
+    # once the opener matched those to the real files, nothing below allocates more than they hold.
+    with ShardFiles(tier, step, (sf for m in manifests.values() for sf in m.files)) as files:
         try:
             produce = binder.bind(template, tree, ROOT, _Mode())
         except RecursionError:
@@ -636,12 +618,7 @@ def prepare_step(
                 "drop them from the template, or restore(state, strict=False) to leave them as they are"
             )
         _read_overlaps_first(tier, step, files, binder, manifest.checksum_algorithm, progress)
-        for f in files.values():
-            if isinstance(f, ZstdFile):
-                f.check_end()
-    finally:
-        for f in files.values():
-            f.close()
+        files.check_ends()
     for overlap in binder.overlaps:
         overlap.write()
     if not binder.missing:
@@ -681,7 +658,7 @@ def _replicated_view(
 def _read_overlaps_first(
     tier: Tier,
     step: int,
-    files: Mapping[str, ReadableFile],
+    files: ShardFiles,
     binder: _Binder,
     algorithm: str,
     progress: ProgressCallback | None,
@@ -704,7 +681,7 @@ def _read_overlaps_first(
 def _read_verified(
     tier: Tier,
     step: int,
-    files: Mapping[str, ReadableFile],
+    files: ShardFiles,
     reads: Sequence[_Read],
     algorithm: str,
     progress: ProgressCallback | None = None,
@@ -730,10 +707,7 @@ def _read_verified(
                 h = checksum_stream(algorithm)
                 for pos in range(0, len(dest), READ_CHUNK):
                     chunk = dest[pos : pos + READ_CHUNK]
-                    try:
-                        files[e.file].read_into(e.offset + pos, chunk)
-                    except EOFError as exc:
-                        raise CheckpointCorruptedError(str(exc)) from None
+                    files.read_into(e.file, e.offset + pos, chunk)
                     hasher.submit(h.update, chunk)
                     if progress is not None:
                         done += len(chunk)
@@ -779,15 +753,12 @@ def _small_runs(reads: Sequence[_Read]) -> tuple[list[_Read], list[list[_Read]]]
     return large, runs
 
 
-def _read_run(files: Mapping[str, ReadableFile], run: list[_Read]) -> None:
+def _read_run(files: ShardFiles, run: list[_Read]) -> None:
     """One read of the file span `run` covers, copied out into each read's destination."""
     start = run[0].entry.offset
     end = max(r.entry.offset + len(r.dest) for r in run)
     span = memoryview(bytearray(end - start))
-    try:
-        files[run[0].entry.file].read_into(start, span)
-    except EOFError as exc:
-        raise CheckpointCorruptedError(str(exc)) from None
+    files.read_into(run[0].entry.file, start, span)
     for r in run:
         if len(r.dest):  # an empty entry's destination is a read-only b""
             lo = r.entry.offset - start

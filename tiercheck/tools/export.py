@@ -153,6 +153,7 @@ def export_step(
                 tensors, converted = to_torch.write(node, base, tmp, reader)
             else:
                 tensors, converted = to_dcp.write(node, base, tmp, reader)
+            reader.finish()  # restore refuses a compressed shard of the wrong length: so does export
             done = reader.done
         _replace(tmp, target)
     except BaseException:

@@ -19,9 +19,8 @@ from ..format.checksum import checksum_stream
 from ..format.manifest import Entry, Manifest, ShardFile, decode_key
 from ..format.tree import JsonNode, decode_plain
 from ..observe.progress import ProgressCallback
-from ..steps.catalog import ReplicaResolver, read_manifest, read_marker, reading_committed
-from ..tiers.base import ReadableFile, Tier
-from ..tiers.codec import ZstdFile
+from ..steps.catalog import ReplicaResolver, ShardFiles, read_manifest, read_marker, reading_committed, shard_files
+from ..tiers.base import Tier
 from ..tiers.open import open_tier
 
 Key = str | int
@@ -123,14 +122,9 @@ def _read_view(tier: Tier, step: int, rank: int) -> StepView:
         r = _node(held, owner.entries)
         children.append(Node(r.kind, r.keys, r.children, r.value, r.entry, owner.rank))
     root = Node("dict", tuple(decode_key(k) for k in manifest.tree["k"]), tuple(children))
-    files: dict[str, ShardFile] = {}
-    for m in manifests.values():
-        for sf in m.files:
-            files.setdefault(sf.name, sf)
+    files = shard_files(tier, step, manifests.values())  # the rule the opener applies
     metrics = dict(marker.metrics) if marker.metrics else None
-    return StepView(
-        tier, step, rank, marker.world_size, marker.checksum_algorithm, root, tuple(files.values()), metrics
-    )
+    return StepView(tier, step, rank, marker.world_size, marker.checksum_algorithm, root, files, metrics)
 
 
 def _node(node: JsonNode, entries: tuple[Entry, ...]) -> Node:
@@ -188,43 +182,29 @@ class ShardReader:
 
     def __init__(self, view: StepView, progress: ProgressCallback | None = None, total: int = 0) -> None:
         self._view = view
-        self._files: dict[str, ReadableFile] = {}
+        self._files: ShardFiles | None = None
         self._buf = memoryview(bytearray(CHUNK))
         self._progress = progress
         self._total = total
         self.done = 0
 
     def __enter__(self) -> ShardReader:
-        tier, step = self._view.tier, self._view.step
-        try:
-            with reading_committed(tier, step):
-                self._open_files()
-        except BaseException:
-            self.close()
-            raise
+        self._files = ShardFiles(self._view.tier, self._view.step, self._view.files)
         return self
-
-    def _open_files(self) -> None:
-        tier, step = self._view.tier, self._view.step
-        for sf in self._view.files:
-            path = tier.path_of(step, sf.name)
-            try:
-                f = tier.open_file(step, sf.name)
-            except FileNotFoundError:
-                raise CheckpointCorruptedError(f"{path}: shard file is missing") from None
-            self._files[sf.name] = f
-            if f.size != sf.size_on_tier:
-                raise CheckpointCorruptedError(f"{path}: shard file is {f.size} bytes, manifest says {sf.size_on_tier}")
-            if sf.codec == "zstd":
-                self._files[sf.name] = ZstdFile(f, sf.length, path)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        if self._files is not None:
+            self._files.close()
+            self._files = None
+
+    def finish(self) -> None:
+        """After every entry was read: check each compressed shard holds exactly its
+        declared bytes, as restore does (a reader of a few entries need not pay for it)."""
+        assert self._files is not None, "ShardReader used outside its with block"
+        self._files.check_ends()
 
     def copy(self, entry: Entry, sink: Callable[[memoryview], None], what: str = "") -> None:
         """Pass the entry's bytes to `sink` chunk by chunk (each chunk valid only during the
@@ -248,15 +228,12 @@ class ShardReader:
     def _stream(
         self, entry: Entry, dest: memoryview | None, sink: Callable[[memoryview], None] | None, what: str
     ) -> None:
+        assert self._files is not None, "ShardReader used outside its with block"
         h = checksum_stream(self._view.checksum_algorithm)
-        f = self._files[entry.file]
         for pos in range(0, entry.length, CHUNK):
             n = min(CHUNK, entry.length - pos)
             chunk = self._buf[:n] if dest is None else dest[pos : pos + n]
-            try:
-                f.read_into(entry.offset + pos, chunk)
-            except EOFError as exc:
-                raise CheckpointCorruptedError(str(exc)) from None
+            self._files.read_into(entry.file, entry.offset + pos, chunk)
             h.update(chunk)
             if sink is not None:
                 sink(chunk)
