@@ -1,8 +1,10 @@
 """What one rank's manifest of a step says: a pure function of the staged save.
 
-The writer (`writestep`) builds the manifest from the save's leaves, their offsets in the
-shard and their checksums; the uploader rewrites it when tier 2 stores the shard
-differently (compressed, or packed without another rank's replicated keys).
+The one builder of a manifest (no other module constructs `Manifest`, which
+`tests/test_write_path.py` checks): the writer (`steps/write.py`) and `tiercheck import`
+(`tools/step_writer.py`) build one from the save's leaves, their offsets in the shard and
+their checksums; every writer records it as its tier stored the shards (`stored_as`:
+compressed, or packed without another rank's replicated keys).
 """
 
 from __future__ import annotations

@@ -2,24 +2,21 @@
 
 The tier-1 copy is verified first (a copy damaged after its commit must never reach tier
 2, least of all under a marker signed anew there), then its shards are streamed from the
-tier-1 files, then the manifest (rewritten when tier 2 stores the shards differently), and
-the commit marker last.
+tier-1 files (through the one opener, `catalog.ShardFiles`), then the manifest (rewritten
+when tier 2 stores the shards differently) and the commit marker last (`write.write_part`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..format.checksum import checksum_function
-from ..format.manifest import ManifestRef, Marker, assignment_digest, encode_manifest
-from ..job.commit import commit_step, part_may_commit
-from ..job.coordination import Group
+from ..format.manifest import Marker, assignment_digest
+from ..job.commit import part_may_commit
+from ..job.coordination import Membership
 from ..plan.retarget import Key, balance, replicated_sizes, retarget
-from ..plan.stepdoc import stored_as
 from ..tiers.base import Tier
-from ..tiers.copy import copy_file, reader_of
-from .catalog import present_manifests, read_manifest_with_bytes, read_marker, verify_files
-from .write import write_regions
+from .catalog import ShardFiles, present_manifests, read_manifest_with_bytes, read_marker, verify_files
+from .write import write_part, write_regions
 
 __all__ = ["copy_from_local", "uploaders_of"]
 
@@ -30,7 +27,7 @@ def copy_from_local(
     step: int,
     rank: int,
     owners: dict[Key, int],
-    group: Group | None,
+    group: Membership,
     reported: Callable[[], object],
 ) -> Marker:
     """Upload `rank`'s part of committed `step` from `src` to `dst` and commit it there;
@@ -38,23 +35,28 @@ def copy_from_local(
     tier-1 marker (its metrics are the step's)."""
     marker = read_marker(src, step)
     manifest_bytes, manifest = read_manifest_with_bytes(src, step, rank, marker)
-    ref = marker.manifests[rank]
     verify_files(src, step, manifest)  # never spread a copy that went bad on tier 1
     moved = retarget(manifest, owners) if owners else None
-    writer = dst.open_step(step, rank, shared=group is not None)
+    writer = dst.open_step(step, rank, shared=group.shared)
     try:
-        if moved is not None:
-            shard = manifest.files[0].name
-            manifest = moved.manifest
-            stored = [write_regions(writer, shard, reader_of(src, step, shard), moved)]
-        else:
-            stored = [copy_file(src, step, f.name, writer, compress=True) for f in manifest.files]
-        if dst.codec != "raw" or moved is not None:  # the tier-2 copy records its own shards
-            manifest_bytes = encode_manifest(stored_as(manifest, dst.codec, stored))
-            digest = checksum_function(marker.checksum_algorithm)(manifest_bytes)
-            ref = ManifestRef(ref.file, len(manifest_bytes), digest)
-        writer.write_file(ref.file, memoryview(manifest_bytes))
-        commit_step(group, dst, writer, step, ref, marker, assignment_digest(manifest), reported)
+        with ShardFiles(src, step, manifest.files) as shards:
+            if moved is not None:
+                shard = manifest.files[0].name
+                stored = [write_regions(writer, shard, lambda o, n: shards.read(shard, o, n), moved)]
+            else:
+                stored = [shards.copy_to(writer, f.name) for f in manifest.files]
+        doc = manifest if moved is None else moved.manifest
+        write_part(
+            dst,
+            writer,
+            doc,
+            stored,
+            marker,
+            group=group,
+            assignment=assignment_digest(doc),
+            reported=reported,
+            source=manifest_bytes if moved is None else None,  # kept byte for byte where nothing changed
+        )
     except BaseException as exc:
         if not part_may_commit(exc):
             writer.abort()
@@ -62,7 +64,7 @@ def copy_from_local(
     return marker
 
 
-def uploaders_of(local: Tier, step: int, group: Group) -> dict[Key, int]:
+def uploaders_of(local: Tier, step: int, group: Membership) -> dict[Key, int]:
     """Who uploads each replicated key of a tier-1 step (node-local tier 1): the same
     placement `Checkpointer` computes from the live state, here from the manifests of this
     directory, which hold one full copy."""

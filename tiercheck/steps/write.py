@@ -1,4 +1,7 @@
-"""Writing one staged step from the host buffer to a tier: shard, manifest, commit.
+"""Writing one staged step from the host buffer to a tier: shard, manifest, commit; and
+`write_part`, the manifest-then-marker end of that sequence, which every writer of a part
+calls (this writer, the uploader, `tiercheck import`, and through `write_manifest` and
+`commit_parts`, `tiercheck upload`).
 
 The shard is written while a checksum thread (the pipeline's, passed in) hashes each leaf
 of the same buffer; both release the GIL. The step is opened while the copy into the buffer
@@ -7,16 +10,17 @@ may still run (`StageProgress`); the shard is written, and the leaves hashed, on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from ..format import naming
 from ..format.checksum import checksum_function
-from ..format.manifest import Manifest, ManifestRef, Marker, Metric, assignment_digest, encode_manifest
+from ..format.manifest import Manifest, ManifestRef, Marker, Metric, assignment_digest, encode_manifest, encode_marker
 from ..format.tree import JsonNode, Leaf
 from ..job.commit import commit_step, part_may_commit
-from ..job.coordination import Group
+from ..job.coordination import Membership, Solo
 from ..plan.retarget import Key, Retargeted, region_chunks, retarget
 from ..plan.shards import ShardPlan
 from ..plan.stepdoc import shard_manifest, stored_as, with_alias_sums
@@ -24,7 +28,15 @@ from ..tiers.base import StepWriter, Tier
 from .handle import SaveHandle
 from .stage import HostBuffer, StageProgress
 
-__all__ = ["REGION_BLOCK", "StagedSave", "write_regions", "write_staged"]
+__all__ = [
+    "REGION_BLOCK",
+    "StagedSave",
+    "commit_parts",
+    "write_manifest",
+    "write_part",
+    "write_regions",
+    "write_staged",
+]
 
 REGION_BLOCK = 8 << 20  # bytes per read when packing the regions of a retargeted shard
 
@@ -54,7 +66,7 @@ def write_staged(
     *,
     hasher: Executor,
     checksum_algorithm: str,
-    group: Group | None,
+    group: Membership,
     owners: dict[Key, int],
     owners_agree: bool,
     reported: Callable[[], object],
@@ -71,7 +83,7 @@ def write_staged(
     checksum = checksum_function(checksum_algorithm)
     batches = checksum_batches(job)
     futures = [hasher.submit(_batch_checksums, job, checksum, batch) for batch in batches]
-    writer = tier.open_step(job.step, job.rank, shared=group is not None)
+    writer = tier.open_step(job.step, job.rank, shared=group.shared)
 
     def manifest_with(sums: list[str]) -> Manifest:
         return shard_manifest(
@@ -105,18 +117,71 @@ def write_staged(
             again = retarget(doc, owners)
             assert again is not None and again.regions == moved.regions
             doc = again.manifest
-        manifest = encode_manifest(stored_as(doc, tier.codec, [stored]))
-        mname = naming.manifest_name(job.rank, job.world_size)
-        writer.write_file(mname, memoryview(manifest))
-        ref = ManifestRef(mname, len(manifest), checksum(manifest))
         marker = Marker(job.step, job.world_size, checksum_algorithm, (), job.metrics)
-        commit_step(group, tier, writer, job.step, ref, marker, assignment_digest(doc, owners_agree), reported)
+        write_part(
+            tier,
+            writer,
+            doc,
+            [stored],
+            marker,
+            group=group,
+            assignment=assignment_digest(doc, owners_agree),
+            reported=reported,
+        )
     except BaseException as exc:
         for f in futures:
             f.cancel()
         if not part_may_commit(exc):
             writer.abort()
         raise
+
+
+def write_manifest(
+    writer: StepWriter, tier: Tier, doc: Manifest, stored: Sequence[int], source: bytes | None = None
+) -> ManifestRef:
+    """Write the manifest of the part whose shard files `writer` stored (`stored`: the bytes
+    stored per file of `doc.files`): `doc` as `tier` holds them (the builder's `stored_as`).
+    `source`: `doc` as another tier encoded it (a copy), written unchanged when storing it
+    here changed nothing, so a copy keeps its source's bytes."""
+    held = stored_as(doc, tier.codec, stored)
+    data = source if source is not None and held == doc else encode_manifest(held)
+    name = naming.manifest_name(doc.rank, doc.world_size)
+    writer.write_file(name, memoryview(data))
+    return ManifestRef(name, len(data), checksum_function(doc.checksum_algorithm)(data))
+
+
+def write_part(
+    tier: Tier,
+    writer: StepWriter,
+    doc: Manifest,
+    stored: Sequence[int],
+    marker: Marker,
+    *,
+    group: Membership,
+    assignment: str = "",
+    reported: Callable[[], object] = lambda: None,
+    source: bytes | None = None,
+) -> None:
+    """The end of writing one rank's part, the same for every writer (the engine's writer and
+    uploader, `tiercheck import`): its shard files are stored; then its manifest
+    (`write_manifest`), then the commit marker last (`commit_step`: alone, the marker
+    listing this part; in a job, the ranks' vote). `marker`: the step's marker, its
+    manifests filled in here. On failure the caller aborts `writer` (`part_may_commit`)."""
+    ref = write_manifest(writer, tier, doc, stored, source)
+    commit_step(group, tier, writer, doc.step, ref, marker, assignment, reported)
+
+
+def commit_parts(tier: Tier, parts: Sequence[tuple[StepWriter, ManifestRef]], marker: Marker) -> None:
+    """Commit a step every part of which this process wrote (`tiercheck upload` copies whole
+    steps), each with `write_manifest`: one part as `write_part` commits it alone; several
+    (opened `shared`) each published, then the marker listing them all, last."""
+    if len(parts) == 1:
+        writer, ref = parts[0]
+        commit_step(Solo(), tier, writer, marker.step, ref, marker, "")
+        return
+    for writer, _ in parts:
+        writer.publish_part()
+    tier.write_marker(marker.step, encode_marker(dataclasses.replace(marker, manifests=tuple(r for _, r in parts))))
 
 
 def write_regions(

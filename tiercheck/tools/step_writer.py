@@ -2,10 +2,11 @@
 
 `Checkpointer.save` copies the whole state into one host buffer before writing it; a tool
 converting a file that may be larger than memory cannot. `write_step` writes the same bytes
-(`planner.plan_shard`'s layout, zeros in the alignment padding, `manifest.build_entries` /
-`encode_manifest` / `encode_marker`, the shard first, then the manifest, the commit marker
-last) from a callback that yields each leaf's bytes in chunks, so at most one chunk (plus
-whatever the callback holds) is in memory at once.
+(`plan.shards.plan_shard`'s layout, zeros in the alignment padding, the manifest from the
+one builder `plan.stepdoc.shard_manifest`, then the writer's own end of a part,
+`steps.write.write_part`: the shard first, then the manifest, the commit marker last) from
+a callback that yields each leaf's bytes in chunks, so at most one chunk (plus whatever
+the callback holds) is in memory at once.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import numpy as np
 import torch
 
 from ..format import naming
-from ..format.checksum import checksum_function, checksum_stream
-from ..format.manifest import Manifest, ManifestRef, Marker, ShardFile, build_entries, encode_manifest, encode_marker
+from ..format.checksum import checksum_stream
+from ..format.manifest import Marker
+from ..job.coordination import Solo
 from ..observe.progress import ProgressCallback
 from ..plan.shards import plan_shard
+from ..plan.stepdoc import shard_manifest, with_alias_sums
 from ..state.flatten import FlatState
+from ..steps.write import write_part
 from ..tiers.base import Tier
 
 __all__ = ["BLOCK", "Chunk", "LeafChunks", "memory_chunks", "write_step"]
@@ -101,23 +105,17 @@ def write_step(
     writer = tier.open_step(step, 0)
     try:
         stored = writer.write_chunks(shard, shard_chunks, plan.total_bytes, compress=True)
-        for i, leaf in enumerate(flat.leaves):
-            if leaf.alias_of is not None:
-                sums[i] = sums[leaf.alias_of]
-        doc = Manifest(
+        doc = shard_manifest(
             step=step,
             rank=0,
             world_size=1,
             checksum_algorithm=checksum,
-            files=(ShardFile(shard, plan.total_bytes, tier.codec, stored if tier.codec != "raw" else None),),
-            entries=build_entries(flat.leaves, plan.offsets, sums, shard),
+            leaves=flat.leaves,
+            plan=plan,
+            sums=with_alias_sums(flat.leaves, sums),
             tree=flat.tree,
         )
-        manifest = encode_manifest(doc)
-        mname = naming.manifest_name(0, 1)
-        writer.write_file(mname, memoryview(manifest))
-        ref = ManifestRef(mname, len(manifest), checksum_function(checksum)(manifest))
-        writer.commit(encode_marker(Marker(step, 1, checksum, (ref,))))
+        write_part(tier, writer, doc, [stored], Marker(step, 1, checksum, ()), group=Solo())
     except BaseException:
         writer.abort()
         raise

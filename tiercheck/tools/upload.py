@@ -6,9 +6,12 @@ every missing step rather than only those tier-2 retention would keep.
 
 Each step is copied as the library's uploader copies it: the commit marker and the manifests
 are checked first (the manifests against the marker's checksums); each shard file is then
-streamed to tier 2 while every entry's checksum is computed on the bytes as they pass, and
-a mismatch stops the upload of that file before it completes; the manifests follow, and the
-commit marker last, so tier 2 lists the step only once everything is there. A damaged step
+streamed to tier 2 through the one opener (`catalog.ShardFiles`) while every entry's
+checksum is computed on the bytes as they pass, and a mismatch stops the upload of that
+file before it completes; the manifests follow, and the commit marker last
+(`write.write_manifest`, `write.commit_parts`: the writer's own end of a part), so tier 2
+lists the step only once everything is there. A shard is stored as tier 2 stores shards
+(compressed if it compresses; the manifest then records it). A damaged step
 is refused (`CheckpointCorruptedError`, naming the step and the file) and nothing of it is
 left on tier 2. A step that a running job's retention deletes while it is copied is skipped
 and reported as pruned (`UploadResult.pruned`), not as damaged: after a failed read the
@@ -23,12 +26,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointCorruptedError, NoCheckpointError, StepPrunedError
+from ..errors import NoCheckpointError, StepPrunedError
 from ..format import naming
-from ..format.checksum import checksum_stream, feed_regions
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, ManifestRef, Marker
 from ..observe.progress import ProgressCallback
-from ..steps.catalog import MAX_MARKER_BYTES, read_manifest_with_bytes, read_marker, reading_committed
+from ..steps.catalog import MAX_MARKER_BYTES, ShardFiles, read_manifest_with_bytes, read_marker, reading_committed
+from ..steps.write import commit_parts, write_manifest
 from ..tiers.base import StepWriter, Tier
 from ..tiers.local import LocalTier
 from .step_writer import BLOCK
@@ -144,44 +147,44 @@ def upload_tier_steps(
 @dataclass(frozen=True, slots=True)
 class _StepPlan:
     step: int
-    marker: bytes
+    marker: Marker
+    marker_bytes: int
     manifests: tuple[tuple[bytes, Manifest], ...]  # per rank
 
     @property
     def nbytes(self) -> int:
-        return len(self.marker) + sum(len(b) + sum(f.length for f in m.files) for b, m in self.manifests)
+        return self.marker_bytes + sum(len(b) + sum(f.length for f in m.files) for b, m in self.manifests)
 
 
 def _plan(src: Tier, step: int) -> _StepPlan:
     marker = read_marker(src, step)
-    raw_marker = src.read_bytes(step, naming.COMMIT_NAME, MAX_MARKER_BYTES)
+    marker_bytes = len(src.read_bytes(step, naming.COMMIT_NAME, MAX_MARKER_BYTES))
     manifests = tuple(read_manifest_with_bytes(src, step, r, marker) for r in range(marker.world_size))
-    for _, m in manifests:
-        for f in m.files:
-            if f.codec != "raw":  # tier 1 never compresses; a copy made by hand might
-                raise CheckpointCorruptedError(f"{src.path_of(step, f.name)}: a {f.codec} shard on tier 1")
-    return _StepPlan(step, raw_marker, manifests)
+    return _StepPlan(step, marker, marker_bytes, manifests)
 
 
 def _copy(src: Tier, dst: Tier, plan: _StepPlan, advance: Callable[[int], None]) -> None:
     shared = len(plan.manifests) > 1
     writers: list[StepWriter] = []
+    parts: list[tuple[StepWriter, ManifestRef]] = []
     try:
         for rank, (manifest_bytes, manifest) in enumerate(plan.manifests):
             writer = dst.open_step(plan.step, rank, shared=shared)
             writers.append(writer)
-            for f in manifest.files:
-                chunks = functools.partial(_verified_chunks, src, plan.step, manifest, f.name, f.length, advance)
-                writer.write_chunks(f.name, chunks, f.length)
-            writer.write_file(naming.manifest_name(rank, len(plan.manifests)), memoryview(manifest_bytes))
+            with ShardFiles(src, plan.step, manifest.files) as shards:
+                stored = [
+                    writer.write_chunks(
+                        f.name,
+                        functools.partial(_verified_chunks, shards, f.name, manifest, advance),
+                        f.length,
+                        compress=True,
+                    )
+                    for f in manifest.files
+                ]
+            parts.append((writer, write_manifest(writer, dst, manifest, stored, manifest_bytes)))
             advance(len(manifest_bytes))
-            if shared:
-                writer.publish_part()
-        if shared:
-            dst.write_marker(plan.step, plan.marker)
-        else:
-            writers[0].commit(plan.marker)
-        advance(len(plan.marker))
+        commit_parts(dst, parts, plan.marker)
+        advance(plan.marker_bytes)
     except BaseException:
         for w in writers:
             w.abort()
@@ -189,34 +192,12 @@ def _copy(src: Tier, dst: Tier, plan: _StepPlan, advance: Callable[[int], None])
 
 
 def _verified_chunks(
-    src: Tier, step: int, manifest: Manifest, name: str, length: int, advance: Callable[[int], None]
+    shards: ShardFiles, name: str, manifest: Manifest, advance: Callable[[int], None]
 ) -> Iterator[bytes | memoryview]:
-    """The bytes of shard `name`, checked against every entry's checksum as they pass; the
-    last chunk of an entry is not handed out before its checksum matched."""
-    path = src.path_of(step, name)
-    regions = sorted({(e.offset, e.length): e.checksum for e in manifest.entries if e.file == name}.items())
-    hashers = [checksum_stream(manifest.checksum_algorithm) for _ in regions]
-    f = src.open_file(step, name)
-    try:
-        if f.size != length:
-            raise CheckpointCorruptedError(f"step {step}: {path}: shard file is {f.size} bytes, manifest says {length}")
-        buf = bytearray(min(BLOCK, length))
-        view = memoryview(buf)
-        first = 0
-        for pos in range(0, length, BLOCK):
-            n = min(BLOCK, length - pos)
-            try:
-                f.read_into(pos, view[:n])
-            except EOFError as exc:
-                raise CheckpointCorruptedError(f"step {step}: {exc}") from None
-            first, completed = feed_regions(regions, hashers, first, pos, view[:n])
-            for i in completed:
-                (off, size), expected = regions[i]
-                if hashers[i].hexdigest() != expected:
-                    raise CheckpointCorruptedError(
-                        f"step {step}: {path}: checksum mismatch in bytes {off}..{off + size}; not uploaded"
-                    )
-            yield view[:n]
-            advance(n)
-    finally:
-        f.close()
+    """The bytes of shard `name`, checked against every entry's checksum as they pass (the
+    last chunk of an entry is not handed out before its checksum matched), so a mismatch
+    stops the upload of the file before it completes."""
+    buf = memoryview(bytearray(min(BLOCK, shards.listed[name].length)))
+    for chunk in shards.verified_chunks(name, manifest, buf):
+        yield chunk
+        advance(len(chunk))
