@@ -20,13 +20,8 @@ pl = pytest.importorskip("pytorch_lightning")
 import tiercheck  # noqa: E402
 from tests.lightning_worker import Net, SaveAt, fit, weights_digest  # noqa: E402
 from tiercheck.format import naming  # noqa: E402
-from tiercheck.integrations.lightning import (
-    TiercheckIO,
-    load_from_checkpoint,
-    pointers_in,
-    read_pointer,
-    read_pointer_doc,
-)
+from tiercheck.integrations.lightning import TiercheckIO, load_from_checkpoint, read_pointer  # noqa: E402
+from tiercheck.integrations.pointers import pointers_in, read_pointer_doc  # noqa: E402
 from tiercheck.testing import Faults, FaultyTier  # noqa: E402
 from tiercheck.tiers.local import LocalTier  # noqa: E402
 from tiercheck.tiers.open import open_tier  # noqa: E402
@@ -373,7 +368,7 @@ def test_a_pointer_is_plain_data_and_only_regular_pointer_files_are_read(tmp_pat
     import pickletools
     import zipfile
 
-    from tiercheck.integrations.lightning import write_pointer
+    from tiercheck.integrations.pointers import write_pointer
 
     path = tmp_path / "epoch=0-step=5.ckpt"
     write_pointer(str(path), 5, local=str(tmp_path))

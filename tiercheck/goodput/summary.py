@@ -480,20 +480,7 @@ def _apply(s: _Session, r: Mapping[str, Any]) -> bool:
         return False
     s.end_t = max(s.end_t, t)
     if kind == "loop" or kind == "beat-window":
-        t0 = _num(r.get("t0"))
-        vals = [_num(r.get(k)) for k in ("wait_s", "compute_s", "busy_wait_s", "busy_compute_s")]
-        iters, busy, it = _int(r.get("iters")), _int(r.get("busy_iters")), _int(r.get("iter"))
-        if t0 is None or None in vals or iters is None or busy is None or it is None:
-            return False
-        wait, comp, bwait, bcomp = (v or 0.0 for v in vals)
-        s.iterations = max(s.iterations, it)
-        s.data_wait_s += wait
-        s.compute_s += comp
-        s.busy_iterations += busy
-        s.busy_wait_s += bwait
-        s.busy_compute_s += bcomp
-        s.add_window((t0, t, comp, wait))
-        s.loop_end = max(s.loop_end, t)
+        return _apply_window(s, r, t)
     elif kind == "save":
         step, it, stall = _int(r.get("step")), _int(r.get("iter")), _num(r.get("stall_s"))
         if step is None or it is None or stall is None:
@@ -552,6 +539,26 @@ def _apply(s: _Session, r: Mapping[str, Any]) -> bool:
             s.end_t = max(s.end_t, t + dur)
     elif kind != "start":
         return True  # a kind from a newer version: ignored, not malformed
+    return True
+
+
+def _apply_window(s: _Session, r: Mapping[str, Any], t: float) -> bool:
+    """Fold a window of the training loop's timings ending at `t` (a ``loop`` record, or the
+    ``beat-window`` a heartbeat carries); False if it is malformed."""
+    t0 = _num(r.get("t0"))
+    vals = [_num(r.get(k)) for k in ("wait_s", "compute_s", "busy_wait_s", "busy_compute_s")]
+    iters, busy, it = _int(r.get("iters")), _int(r.get("busy_iters")), _int(r.get("iter"))
+    if t0 is None or None in vals or iters is None or busy is None or it is None:
+        return False
+    wait, comp, bwait, bcomp = (v or 0.0 for v in vals)
+    s.iterations = max(s.iterations, it)
+    s.data_wait_s += wait
+    s.compute_s += comp
+    s.busy_iterations += busy
+    s.busy_wait_s += bwait
+    s.busy_compute_s += bcomp
+    s.add_window((t0, t, comp, wait))
+    s.loop_end = max(s.loop_end, t)
     return True
 
 

@@ -46,23 +46,19 @@ dicts (``OrderedDict`` and ``AttributeDict`` come back as ``dict``) and CPU tens
 moved as `map_location` says); Lightning's loading accepts both.
 
 Works with ``pytorch_lightning`` and ``lightning.pytorch``: the plugin is an instance of
-the ``CheckpointIO`` class of each one installed.
+the ``CheckpointIO`` class of each one installed. The pointer files and the registry of the
+directories holding them are `pointers.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import io as _io
-import json
 import logging
 import os
 import re
-import secrets
-import stat
 import threading
 import warnings
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,27 +81,23 @@ from ..steps.catalog import list_committed
 from ..steps.handle import SaveHandle
 from ..steps.restore import restore_from
 from ..tiers.base import Tier
-from ..tiers.owned import fsync_dir
+from .pointers import (
+    FULL,
+    POINTER_FORMAT,
+    WEIGHTS_ONLY,
+    PointerDirs,
+    Ref,
+    read_pointer,
+    read_pointer_doc,
+    write_pointer,
+)
 
 __all__ = ["POINTER_FORMAT", "TiercheckIO", "load_from_checkpoint", "read_pointer"]
 
 logger = logging.getLogger("tiercheck")
 
-POINTER_FORMAT = "tiercheck-lightning-pointer"
-FULL = "full"
-WEIGHTS_ONLY = "weights-only"  # also the subdirectory of each tier holding that store
-_STORES = (FULL, WEIGHTS_ONLY)
-_POINTER_MAX = 64 << 10  # a pointer is ~1.5 KB; anything larger is not one
-_MEMBER = "tiercheck-pointer.json"  # the pointer's own record inside the torch archive
-_MEMBER_MAX = 4096
-_DIRS_FILE = ".tiercheck-lightning-dirs.json"  # in tier 1: the directories holding pointers
-_DIRS_FORMAT = "tiercheck-lightning-dirs"
-_DIRS_MAX = 1 << 20
 _LAST = re.compile(r"^last(-(\d+))?")  # ModelCheckpoint's test of a "last" checkpoint's stem
 _STEP = re.compile(r"(?:^|[-_])step=(\d+)")
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-Ref = tuple[str, int]  # (store, step)
 
 
 def _checkpoint_io_bases() -> tuple[type, ...]:
@@ -148,201 +140,6 @@ def is_weights_only(checkpoint: Mapping[str, Any]) -> bool:
     )
 
 
-# -- pointer files ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """What a pointer file says: the store and step it names, and the plugin's tiers (its
-    ``local=`` and ``remote=``) when they were a path and a URL."""
-
-    step: int
-    store: str = FULL
-    local: str | None = None
-    remote: str | None = None
-
-    @property
-    def ref(self) -> Ref:
-        return (self.store, self.step)
-
-
-def _read_small_regular_file(path: str, limit: int) -> bytes | None:
-    """At most `limit` + 1 bytes of the regular file at `path` (through a symlink, as
-    Lightning's ``save_last="link"`` makes); None if there is none. A FIFO or device is never
-    opened for reading (O_NONBLOCK, then fstat), so it cannot hang the trainer."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except IsADirectoryError:
-        raise NoCheckpointError(f"{path} is a directory, not a tiercheck pointer file") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NoCheckpointError(f"{path} is not a regular file, so not a tiercheck pointer file")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _parse_pointer(data: bytes) -> Any:
-    """The pointer record in `data`: the JSON member of a torch archive, or (pointers of
-    tiercheck 0.x) the file itself as JSON. Never unpickles the archive's ``data.pkl``."""
-    if len(data) > _POINTER_MAX:
-        return None
-    try:
-        if data.startswith(b"PK\x03\x04"):
-            with zipfile.ZipFile(_io.BytesIO(data)) as archive:
-                members = [
-                    i for i in archive.infolist() if i.filename.count("/") == 1 and i.filename.endswith("/" + _MEMBER)
-                ]
-                if len(members) != 1 or members[0].file_size > _MEMBER_MAX:
-                    return None
-                if members[0].compress_type != zipfile.ZIP_STORED:
-                    return None
-                data = archive.read(members[0])
-        return json.loads(data.decode())
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, UnicodeDecodeError, ValueError, RecursionError, EOFError):
-        return None
-
-
-def read_pointer_doc(path: str) -> Pointer | None:
-    """What the pointer file at `path` names; None if there is no file there.
-
-    Raises:
-        NoCheckpointError: the file is not a tiercheck pointer (e.g. a ``torch.save`` file,
-            which tiercheck never unpickles).
-    """
-    data = _read_small_regular_file(path, _POINTER_MAX)
-    if data is None:
-        return None
-    doc = _parse_pointer(data)
-    if (
-        not isinstance(doc, dict)
-        or doc.get("format") != POINTER_FORMAT
-        or type(doc.get("step")) is not int
-        or doc["step"] < 0
-        or doc.get("store", FULL) not in _STORES
-    ):
-        raise NoCheckpointError(
-            f"{path} is not a tiercheck pointer file (a checkpoint saved by another CheckpointIO?); "
-            "tiercheck reads only checkpoints it wrote and never unpickles"
-        )
-    local, remote = doc.get("local"), doc.get("remote")
-    return Pointer(
-        doc["step"],
-        doc.get("store", FULL),
-        local if isinstance(local, str) else None,
-        remote if isinstance(remote, str) else None,
-    )
-
-
-def read_pointer(path: str) -> int | None:
-    """The step the pointer file at `path` names; None if there is no file there.
-
-    Raises:
-        NoCheckpointError: the file is not a tiercheck pointer.
-    """
-    doc = read_pointer_doc(path)
-    return None if doc is None else doc.step
-
-
-def _pointer_bytes(path: str, pointer: Pointer) -> bytes:
-    """A torch archive (what ``torch.save`` writes) of a dict of strings and ints that says
-    what the file is, plus the pointer record as a JSON member, which is what tiercheck
-    reads. Lightning's ``load_from_checkpoint`` reads the version field first and fails
-    with the note as its message."""
-    note = (
-        f"tiercheck: {path} is not a checkpoint but a TiercheckIO pointer to step {pointer.step} "
-        f"({pointer.store} store of {pointer.local or pointer.remote}); Lightning bypasses CheckpointIO "
-        "in Model.load_from_checkpoint, so load it with "
-        "tiercheck.integrations.lightning.load_from_checkpoint(Model, path), or through a Trainer "
-        "with plugins=[TiercheckIO(...)] and ckpt_path=path (docs/integrations.md)"
-    )
-    record = {
-        "format": POINTER_FORMAT,
-        "version": 2,
-        "step": pointer.step,
-        "store": pointer.store,
-        "local": pointer.local,
-        "remote": pointer.remote,
-    }
-    buf = _io.BytesIO()
-    torch.save({"pytorch-lightning_version": note, "tiercheck_pointer": record, "note": note}, buf)
-    with zipfile.ZipFile(buf, "a", compression=zipfile.ZIP_STORED) as archive:
-        prefix = archive.namelist()[0].split("/", 1)[0]
-        archive.writestr(f"{prefix}/{_MEMBER}", json.dumps(record))
-    return buf.getvalue()
-
-
-def _write_atomically(path: str, body: bytes) -> None:
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tiercheck-tmp-{secrets.token_hex(8)}")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
-
-
-def write_pointer(path: str, step: int, store: str = FULL, local: str | None = None, remote: str | None = None) -> None:
-    """Write the pointer file `path` -> (`store`, `step`) atomically and durably."""
-    _write_atomically(path, _pointer_bytes(path, Pointer(step, store, local, remote)))
-
-
-_FileId = tuple[int, int, int]  # inode, size, mtime: a pointer is replaced by a rename
-
-
-def _refs_in(directory: str, cache: dict[str, tuple[_FileId, Ref | None]] | None = None) -> dict[str, Ref]:
-    """Every pointer (``*.ckpt``) in `directory` and what it names; with `cache`, a file
-    not changed since it was last read is not read again (every save moving ``last.ckpt``
-    asks whether a pointer still names the step it named)."""
-    found: dict[str, Ref] = {}
-    try:
-        entries = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return found
-    for entry in entries:
-        if not entry.name.endswith(".ckpt"):
-            continue
-        ref: Ref | None = None
-        with contextlib.suppress(NoCheckpointError, OSError):
-            st = entry.stat()
-            key = (st.st_ino, st.st_size, st.st_mtime_ns)
-            known = None if cache is None else cache.get(entry.path)
-            if known is not None and known[0] == key:
-                ref = known[1]
-            else:
-                if cache is not None:
-                    cache[entry.path] = (key, None)  # not a pointer, unless read as one below
-                doc = read_pointer_doc(entry.path)
-                ref = None if doc is None else doc.ref
-                if cache is not None:
-                    cache[entry.path] = (key, ref)
-        if ref is not None:
-            found[entry.path] = ref
-    return found
-
-
-def pointers_in(directory: str) -> dict[str, int]:
-    """Every pointer file (``*.ckpt``) in `directory` and the step it names."""
-    return {path: step for path, (_, step) in _refs_in(directory).items()}
-
-
 # -- the plugin ---------------------------------------------------------------------------
 
 
@@ -353,6 +150,9 @@ class _Store:
     name: str
     local: str | Tier | None
     remote: str | Tier | None
+    storage_options: dict[str, Any]
+    keep: tuple[int | RetentionPolicy | None, int | RetentionPolicy | None]  # keep_local, keep_remote
+    options: dict[str, Any]  # the rest of Checkpointer's options
     ckpt: Checkpointer | None = None
     handles: dict[int, SaveHandle] = field(default_factory=dict)  # not yet finished on every tier
     doomed: set[int] = field(default_factory=set)  # lost their names while in flight
@@ -363,6 +163,38 @@ class _Store:
     @property
     def usable(self) -> bool:
         return self.local is not None or self.remote is not None
+
+    def checkpointer(self) -> Checkpointer:
+        """This store's `Checkpointer` (global rank 0 only: created at the first save or removal)."""
+        if self.ckpt is None:
+            keep_local, keep_remote = self.keep
+            self.ckpt = Checkpointer(
+                self.local,
+                self.remote,
+                self.storage_options,
+                keep_local=keep_local,
+                keep_remote=keep_remote,
+                rank=0,
+                world_size=1,
+                **self.options,
+            )
+        return self.ckpt
+
+    def tiers(self) -> list[Tier]:
+        return read_tiers(self.local, self.remote, self.storage_options)
+
+    def where(self) -> str:
+        return ", ".join(x if isinstance(x, str) else x.location for x in (self.local, self.remote) if x)
+
+    def durable(self, step: int) -> bool | None:
+        """True once `step` is durable on a tier (or was finished before), False while it is
+        in flight, None if it failed on every tier."""
+        handle = self.handles.get(step)
+        if handle is None:
+            return True
+        if any(handle.done(t) and handle.exception(t) is None for t in handle.tiers):
+            return True
+        return None if handle.done() else False
 
 
 def _subdir(tier: str | os.PathLike[str] | Tier | None, name: str) -> str | None:
@@ -393,53 +225,26 @@ class _TiercheckIOImpl:
                 )
         self._local = None if local is None else local if isinstance(local, Tier) else os.path.abspath(local)
         self._remote = remote
-        self._storage_options = dict(storage_options or {})
-        self._keep = (keep_local, keep_remote)
-        self._options = options
+        settings = (dict(storage_options or {}), (keep_local, keep_remote), options)
         weights_local, weights_remote = _subdir(self._local, WEIGHTS_ONLY), _subdir(remote, WEIGHTS_ONLY)
         if (weights_local is None) != (self._local is None) or (weights_remote is None) != (remote is None):
             weights_local = weights_remote = None  # a Tier object has no subdirectory: no such store
         self._stores = {
-            FULL: _Store(FULL, self._local, remote),
-            WEIGHTS_ONLY: _Store(WEIGHTS_ONLY, weights_local, weights_remote),
+            FULL: _Store(FULL, self._local, remote, *settings),
+            WEIGHTS_ONLY: _Store(WEIGHTS_ONLY, weights_local, weights_remote, *settings),
         }
         self._lock = threading.RLock()
         # path -> the refs it was given, oldest first, whose pointer is not written yet: it
         # names the newest of them that is durable, and the last one once that is.
         self._pending: dict[str, list[Ref]] = {}
-        self._dirs: set[str] | None = None  # every directory holding pointers (loaded lazily)
-        self._read: dict[str, tuple[_FileId, Ref | None]] = {}  # `_refs_in`'s cache
-
-    # -- the Checkpointers (global rank 0 only: created at the first save or removal) ------
-
-    def _checkpointer_of(self, store: _Store) -> Checkpointer:
-        if store.ckpt is None:
-            keep_local, keep_remote = self._keep
-            store.ckpt = Checkpointer(
-                store.local,
-                store.remote,
-                self._storage_options,
-                keep_local=keep_local,
-                keep_remote=keep_remote,
-                rank=0,
-                world_size=1,
-                **self._options,
-            )
-        return store.ckpt
+        self._dirs = PointerDirs(self._local)
 
     @property
     def checkpointer(self) -> Checkpointer:
         """The `Checkpointer` this plugin saves full checkpoints through (created if needed;
         rank 0 only)."""
         with self._lock:
-            return self._checkpointer_of(self._stores[FULL])
-
-    def _tiers_of(self, store: _Store) -> list[Tier]:
-        return read_tiers(store.local, store.remote, self._storage_options)
-
-    def _where(self, store: _Store | None = None) -> str:
-        s = store or self._stores[FULL]
-        return ", ".join(x if isinstance(x, str) else x.location for x in (s.local, s.remote) if x)
+            return self._stores[FULL].checkpointer()
 
     # -- CheckpointIO ---------------------------------------------------------------------
 
@@ -468,7 +273,7 @@ class _TiercheckIOImpl:
                 if store.last_step is None and not self._claim(store, step, os.path.dirname(target)):
                     self._name(target, (store.name, step))  # already committed: a new name for it
                     return
-                ckpt = self._checkpointer_of(store)
+                ckpt = store.checkpointer()
                 handle = ckpt.save(step, checkpoint)
                 store.last_step = step
                 store.saved.add(step)
@@ -513,7 +318,7 @@ class _TiercheckIOImpl:
                 return
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(target)
-            self._remember_dir(os.path.dirname(target))  # its other pointers count, as ever
+            self._dirs.remember(os.path.dirname(target))  # its other pointers count, as ever
             if on_disk is not None:
                 refs.append(on_disk.ref)
             for ref in dict.fromkeys(refs):
@@ -555,7 +360,7 @@ class _TiercheckIOImpl:
         step it loaded): a new name for it. Saving an older step after a load of an older
         one starts a new branch (the abandoned steps are deleted first, as
         `Checkpointer.restore` does); anything else is refused (another run's steps)."""
-        committed = sorted(list_committed(self._tiers_of(store)[:1]))
+        committed = sorted(list_committed(store.tiers()[:1]))
         newest = committed[-1] if committed else None
         if newest is None or step > newest:
             store.restored = None
@@ -565,15 +370,11 @@ class _TiercheckIOImpl:
             return False
         if restored is None or step <= restored:
             raise StepConflictError(
-                f"cannot save step {step} to {self._where(store)}: step {newest} is already committed there "
+                f"cannot save step {step} to {store.where()}: step {newest} is already committed there "
                 "(an earlier run's?). Resume with trainer.fit(..., ckpt_path='last'), or use another directory"
             )
-        stale = [s for s in self._checkpointer_of(store).steps() if s > restored]
-        for known in self._known_dirs() | {directory}:
-            for path, ref in _refs_in(known).items():
-                if ref[0] == store.name and ref[1] in stale:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+        stale = [s for s in store.checkpointer().steps() if s > restored]
+        self._dirs.unlink_naming(store.name, stale, directory)
         for s in reversed(stale):
             self._delete((store.name, s))
         store.restored = None
@@ -587,20 +388,10 @@ class _TiercheckIOImpl:
 
     # -- pointers -------------------------------------------------------------------------------
 
-    def _durable(self, ref: Ref) -> bool | None:
-        """True once `ref` is durable on a tier (or was finished before), False while it is
-        in flight, None if it failed on every tier."""
-        handle = self._stores[ref[0]].handles.get(ref[1])
-        if handle is None:
-            return True
-        if any(handle.done(t) and handle.exception(t) is None for t in handle.tiers):
-            return True
-        return None if handle.done() else False
-
     def _name(self, target: str, ref: Ref) -> None:
         """`target` now names `ref`: its pointer is written once the step is durable on a
         tier (now, if it already is); until then it names what it named before."""
-        self._remember_dir(os.path.dirname(target))
+        self._dirs.remember(os.path.dirname(target))
         refs = self._pending.setdefault(target, [])
         if ref in refs:
             refs.remove(ref)
@@ -621,7 +412,7 @@ class _TiercheckIOImpl:
 
     def _flush_target(self, target: str) -> None:
         refs = self._pending.get(target, [])
-        states = [self._durable(r) for r in refs]
+        states = [self._stores[r[0]].durable(r[1]) for r in refs]
         ready = [i for i, s in enumerate(states) if s]
         failed = [r for r, s in zip(refs, states, strict=True) if s is None]
         if not ready and not failed:
@@ -662,7 +453,7 @@ class _TiercheckIOImpl:
     def _named(self, ref: Ref) -> bool:
         if any(ref in refs for refs in self._pending.values()):
             return True
-        return any(ref in _refs_in(d, self._read).values() for d in self._known_dirs())
+        return self._dirs.names(ref)
 
     def _release(self, ref: Ref) -> None:
         """`ref` lost a name: delete it from every tier unless a pointer anywhere still names
@@ -693,7 +484,7 @@ class _TiercheckIOImpl:
     def _delete(self, ref: Ref) -> None:
         store = self._stores[ref[0]]
         try:
-            self._checkpointer_of(store).delete(ref[1])
+            store.checkpointer().delete(ref[1])
         except NoCheckpointError:
             pass
         except StepInFlightError:  # finishing on its last tier right now: retried at the next flush
@@ -701,50 +492,13 @@ class _TiercheckIOImpl:
         except ClosedError:  # a done callback of a closing session: the next session's removal deletes it
             logger.warning("tiercheck: step %d lost its last name while closing; it stays on its tiers", ref[1])
 
-    # -- the directories holding pointers ---------------------------------------------------------
-
-    def _dirs_file(self) -> str | None:
-        local = self._local
-        if isinstance(local, str):
-            return os.path.join(local, _DIRS_FILE)
-        if isinstance(local, Tier) and local.capabilities.local_files:
-            return os.path.join(local.local_dir(), _DIRS_FILE)
-        return None  # no tier 1: this session's directories only
-
-    def _known_dirs(self) -> set[str]:
-        if self._dirs is None:
-            self._dirs = set()
-            path = self._dirs_file()
-            doc: Any = None
-            if path is not None:
-                with contextlib.suppress(OSError, NoCheckpointError, ValueError, UnicodeDecodeError, RecursionError):
-                    data = _read_small_regular_file(path, _DIRS_MAX)
-                    doc = None if data is None or len(data) > _DIRS_MAX else json.loads(data.decode())
-            if isinstance(doc, dict) and doc.get("format") == _DIRS_FORMAT and isinstance(doc.get("dirs"), list):
-                self._dirs.update(d for d in doc["dirs"] if isinstance(d, str) and os.path.isabs(d))
-        return self._dirs
-
-    def _remember_dir(self, directory: str) -> None:
-        dirs = self._known_dirs()
-        if directory in dirs:
-            return
-        dirs.add(directory)
-        path = self._dirs_file()
-        if path is None:
-            return
-        body = json.dumps({"format": _DIRS_FORMAT, "dirs": sorted(dirs)}).encode() + b"\n"
-        try:
-            _write_atomically(path, body)
-        except OSError as exc:
-            logger.warning("tiercheck: cannot record the pointer directory %s in %s: %r", directory, path, exc)
-
     # -- loading ------------------------------------------------------------------------------------
 
     def _load(self, target: str) -> tuple[dict[str, Any], int]:
         errors: list[NoCheckpointError] = []
         for store, step in self._resolve(target):
             try:
-                found = restore_from(self._tiers_of(self._stores[store]), None, step, 0, False)
+                found = restore_from(self._stores[store].tiers(), None, step, 0, False)
             except NoCheckpointError as exc:
                 errors.append(exc)
                 continue
@@ -775,7 +529,7 @@ class _TiercheckIOImpl:
         if step is None:
             raise NoCheckpointError(
                 f"{target}: no pointer file there and no step=N in its name; pass a path ModelCheckpoint "
-                f"wrote, or 'last' ({self._where()})"
+                f"wrote, or 'last' ({self._stores[FULL].where()})"
             )
         return [(s.name, step) for s in self._stores.values() if s.usable]
 
@@ -784,9 +538,9 @@ class _TiercheckIOImpl:
             ckpt = store.ckpt
         if ckpt is not None:
             ckpt.wait()  # this session's own saves count
-        committed = list_committed(self._tiers_of(store)) if store.usable else {}
+        committed = list_committed(store.tiers()) if store.usable else {}
         if not committed:
-            raise NoCheckpointError(f"{target}: no committed checkpoint in {self._where(store)}")
+            raise NoCheckpointError(f"{target}: no committed checkpoint in {store.where()}")
         return (store.name, max(committed))
 
 
