@@ -114,10 +114,11 @@ def test_options_are_validated_once_into_a_frozen_value() -> None:
         n: p.default for n, p in inspect.signature(tiercheck.Checkpointer.__init__).parameters.items() if n != "self"
     }
     opts = Options.validate(**{**args, "local": "/tmp/x", "keep_local": 3})
-    assert opts.keep_local == KeepLast(3)
-    assert (opts.rank, opts.world_size) == (0, 1)
+    assert opts.retention.keep_local == KeepLast(3)
+    assert (opts.job.rank, opts.job.world_size) == (0, 1)
+    assert opts.tiers.local == "/tmp/x" and opts.save.checksum == "crc32c"
     with pytest.raises(AttributeError):
-        opts.checksum = "xxh3_64"  # type: ignore[misc]
+        opts.save.checksum = "xxh3_64"  # type: ignore[misc]
     with pytest.raises(InvalidArgumentError, match="upload_backlog"):
         Options.validate(**{**args, "local": "/tmp/x", "upload_backlog": "oldest"})
     with pytest.raises(InvalidArgumentError, match="at least one tier"):

@@ -236,7 +236,7 @@ def test_saves_across_structure_changes_are_bit_exact(tmp_path: Path) -> None:
             load_equal(tmp_path, step, expected)
             for k, v in expected.items():
                 state[k].copy_(v)
-        assert ckpt._structure.hits >= 3
+        assert ckpt._planner.structure.hits >= 3
 
 
 def test_an_unchanged_state_is_flattened_once(tmp_path: Path) -> None:
@@ -245,7 +245,7 @@ def test_an_unchanged_state_is_flattened_once(tmp_path: Path) -> None:
         ckpt.prepare(state)
         for step in range(4):
             ckpt.save(step, state).wait()
-        assert (ckpt._structure.misses, ckpt._structure.hits) == (1, 4)
+        assert (ckpt._planner.structure.misses, ckpt._planner.structure.hits) == (1, 4)
         assert ckpt._pool.allocations == 1
         load_equal(tmp_path, 3, state)
 
@@ -264,7 +264,7 @@ def test_overlap_guard_holds_on_a_cached_structure(tmp_path: Path, monkeypatch: 
         ckpt.save(1, {"model": model, "opt": opt}).wait()
         release.clear()
         ckpt.save(2, {"model": model, "opt": opt})
-        assert ckpt._structure.hits == 1
+        assert ckpt._planner.structure.hits == 1
         with torch.no_grad():
             model[37].bias.add_(1.0)
         release.set()

@@ -68,7 +68,7 @@ def test_a_failed_copy_raises_in_save_and_later_saves_work(tmp_path: Path, monke
             raise RuntimeError("device copy failed (injected)")
         original(buf, flat, plan, deferred, progress)
 
-    monkeypatch.setattr("tiercheck.checkpointer.stage_into", flaky)
+    monkeypatch.setattr("tiercheck.engine.stager.stage_into", flaky)
     remote = f"memory://copyfail-{uuid.uuid4().hex}"
     with tiercheck.Checkpointer(local=tmp_path, remote=remote, keep_local=None) as ckpt:
         ckpt.save(1, {"x": torch.full((4096,), 1.0)}).wait()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import signal
@@ -10,41 +9,34 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeVar
 
-import torch
-
-from .engine.pipeline import Pipeline, StagedSave
+from .engine.history import StepHistory
+from .engine.pipeline import Pipeline
+from .engine.stager import SaveStager
 from .errors import (
     CheckpointCorruptedError,
     ClosedError,
     InvalidArgumentError,
     NoCheckpointError,
-    StepConflictError,
-    StepInFlightError,
     TiercheckError,
-    TierError,
     UnsupportedStateError,
 )
 from .goodput.runlog import DEFAULT_INTERVAL, RunLog
-from .job.agreement import SaveRequests
-from .job.coordination import Group, join_group
+from .job.coordination import Group, join_job
 from .job.trigger import SaveTrigger, SigtermState, sigterm_handler
 from .observe.events import logger
 from .observe.progress import ProgressCallback
 from .options import REMOTE_RETRY_BUDGET, REMOTE_TIMEOUT, Options, open_tiers
-from .plan.placement import JobLayout, Placed, Placement, key_sizes, place, replicated_keys, split_state
 from .plan.retention import RetentionPolicy
 from .plan.schedule import SavePolicy
-from .plan.shards import ShardPlan, plan_shard
-from .plan.steporder import Proceed, claim
-from .state.flatten import FlatState, metric_values, tensor_versions
-from .state.structure import StructureCache
+from .state.flatten import metric_values
 from .steps.catalog import read_marker
 from .steps.handle import DrainReport, SaveHandle, WaitTimeoutError
+from .steps.parts import PartPlanner
 from .steps.restore import restore_collective, restore_from
-from .steps.stage import HostBufferPool, StageProgress, layout_for, needs_pinned, stage_into
+from .steps.stage import HostBufferPool
 from .tiers.base import Tier
 from .tiers.remote import RemoteTier
 
@@ -201,52 +193,26 @@ class Checkpointer:
         interval: SavePolicy | None = None,
     ) -> None:
         opts = Options.validate(**{k: v for k, v in locals().items() if k != "self"})
-        self._options = opts
-        self._local, self._remote = open_tiers(opts, _TIER_DEFAULTS)
+        job = opts.job
+        self._local, self._remote = open_tiers(opts.tiers, _TIER_DEFAULTS)
         if isinstance(self._remote, RemoteTier):  # before the pipeline can upload anything
-            self._remote.sweep_before_upload(opts.rank, opts.world_size)
+            self._remote.sweep_before_upload(job.rank, job.world_size)
         self._tiers: list[Tier] = [t for t in (self._local, self._remote) if t is not None]
-        self.rank = opts.rank
-        self.world_size = opts.world_size
-        self._pool = HostBufferPool(host_buffers)
-        self._plans: dict[object, ShardPlan] = {}
-        # Per-save work that depends only on the state's structure, done once (structure.py).
-        self._structure = StructureCache()
-        self._last_plan: tuple[object, ShardPlan, bool] | None = None  # (leaves, plan, pinned)
-        self._placement: tuple[tuple[object, ...], Placement] | None = None  # cached per key set
+        self.rank = job.rank
+        self.world_size = job.world_size
         self._lock = threading.RLock()  # save/restore/close are serialised
-        self._latest_known: int | None = None
-        self._branch_point: int | None = None  # the restored step, until the next save
-        self._seen_at_restore: tuple[int, ...] | None = None
         self._closed = False
-        self._warned_unguarded = False
-        self._guards: dict[int, tuple[weakref.ref[torch.optim.Optimizer], Any]] = {}
-        self._group: Group | None = None
-        if opts.world_size > 1:
-            self._group = join_group(
-                opts.store, opts.rank, opts.world_size, opts.coordination_timeout, self._local, self._remote
-            )
+        self._group = join_job(job, self._local, self._remote)
+        self._pool = HostBufferPool(opts.save.host_buffers)
         self._pipeline = Pipeline(
-            self._local,
-            self._remote,
-            self._pool,
-            opts.keep_local,
-            opts.keep_remote,
-            checksum,
-            upload_backlog,
-            low_priority,
-            self._group,
+            self._local, self._remote, self._pool, self._group, retention=opts.retention, save=opts.save
         )
-        self._runlog = RunLog(
-            self._local,
-            self._remote,
-            opts.rank,
-            opts.world_size,
-            run_log_interval,
-            self._pipeline.submit_side_task if self._remote is not None else None,
-        )
-        requests = None if self._group is None else SaveRequests(self._group.coord)
-        self._trigger = SaveTrigger(interval, requests, opts.rank)
+        self._planner = PartPlanner(job, self._group, has_remote=self._remote is not None)
+        self._stager = SaveStager(self._pool, self._pipeline, opts.save, job, [t.name for t in self._tiers])
+        self._history = StepHistory(self._tiers, self._group, self._pipeline, job)
+        side_tasks = self._pipeline.submit_side_task if self._remote is not None else None
+        self._runlog = RunLog(self._local, self._remote, job.rank, job.world_size, opts.run_log.interval, side_tasks)
+        self._trigger = SaveTrigger(opts.save.interval, self._group.save_requests(), job.rank)
         # A fork() child gets a copy of this object but none of the pipeline's threads: it
         # compares its pid with this one and does nothing (see `_check_process`).
         self._pid = os.getpid()
@@ -333,53 +299,10 @@ class Checkpointer:
         self._check_open()
         with self._lock:
             self._check_open()
-            flat = self._flatten(state).flat
+            part = self._planner.part(state)
             self._pipeline.become_writer(self.rank, self.world_size)
             self._pipeline.start_catch_up()
-            plan = self._plan_for(flat)
-            buf = self._pool.acquire(plan.total_bytes, self._pinned(flat))
-            layout_for(buf, flat, plan)  # the views into the buffer, ahead of the first save
-            self._pool.release(buf)
-
-    def _flatten(self, state: Mapping[Any, Any]) -> Placed:
-        """This rank's part of `state` (`placement`): replicated keys another rank writes
-        become references. The placement is computed once per set of replicated keys."""
-        replicated = self._options.replicated
-        if not replicated or not isinstance(state, Mapping):
-            return Placed(self._structure.flatten(state), (), ())
-        keys = replicated_keys(state, replicated)
-        cached = self._placement
-        if cached is None or cached[0] != tuple(keys):
-            group = self._group
-            job = JobLayout(
-                self.world_size,
-                node_local=group is not None and group.node_local,
-                members=() if group is None else group.members,
-                first_members=() if group is None else group.first_members,
-                has_remote=self._remote is not None,
-            )
-            cached = self._placement = (
-                tuple(keys),
-                place(keys, lambda: key_sizes(state, keys), job, self._options.replicated_writer),
-            )
-        return split_state(state, self.rank, keys, cached[1], self._structure.flatten)
-
-    def _plan_for(self, flat: FlatState) -> ShardPlan:
-        last = self._last_plan
-        if last is not None and last[0] is flat.leaves:  # the structure cache's leaves: unchanged
-            return last[1]
-        sig = flat.signature
-        plan = self._plans.get(sig)
-        if plan is None:
-            self._plans.clear()  # the structure changed: keep one plan, not a growing cache
-            plan = self._plans[sig] = plan_shard(flat.leaves)
-        self._last_plan = (flat.leaves, plan, needs_pinned(flat.sources))
-        return plan
-
-    def _pinned(self, flat: FlatState) -> bool:
-        """Whether `flat` needs a pinned buffer (a source on CUDA), after `_plan_for(flat)`."""
-        last = self._last_plan
-        return last[2] if last is not None and last[0] is flat.leaves else needs_pinned(flat.sources)
+            self._stager.prepare(part)
 
     def save(
         self,
@@ -441,95 +364,19 @@ class Checkpointer:
             try:
                 self._raise_background_errors()
                 recorded = metric_values(metrics)
-                placed = self._flatten(state)
+                part = self._planner.part(state)
                 self._pipeline.become_writer(self.rank, self.world_size)
-                self._claim_step(step)
-                plan = self._plan_for(placed.flat)
-                handle = SaveHandle(
-                    step, [t.name for t in self._tiers], self._pipeline.error_seen, self._pipeline.call_soon
-                )
-                allocations = self._pool.allocations
-                t1 = time.perf_counter()
-                buf = self._pool.acquire(plan.total_bytes, self._pinned(placed.flat))
-                t2 = time.perf_counter()
-                overlapped = self._overlapped(placed.flat, overlap)
-                flat = placed.flat
-                if overlapped and not flat.versions:  # the deferred copy compares them
-                    flat = dataclasses.replace(flat, versions=tensor_versions(flat.sources))
-                job = StagedSave(
-                    step=step,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    tree=placed.flat.tree,
-                    leaves=placed.flat.leaves,
-                    plan=plan,
-                    buffer=buf,
-                    handle=handle,
-                    progress=None if overlapped else StageProgress(),
-                    replicated=placed.replicated,
-                    remote_owners=placed.remote_owners,
-                    metrics=recorded,
-                )
-                self._stage(job, flat, overlapped)
+                self._history.claim(step)
+                handle = self._stager.stage(step, part, recorded, overlap)
             except BaseException as exc:
                 # Nothing reached the pipeline (or it was taken back): tell the other ranks now.
-                if self._group is not None:
-                    self._abandon(step, exc)
+                self._group.abandon_save(step, [t.name for t in self._tiers], exc)
                 raise
-            t3 = time.perf_counter()
-            stats = handle.stats
-            stats.bytes = plan.total_bytes
-            stats.allocated = self._pool.allocations != allocations
-            stats.buffer_wait_s = t2 - t1
-            stats.stage_s = t3 - t2
-            stats.stall_s = t3 - t0
-            self._latest_known = step
+            handle.stats.stall_s = time.perf_counter() - t0
+            self._history.saved(step)
             self._runlog.saved(handle)
             self._trigger.saved(step)
             return handle
-
-    def _overlapped(self, flat: FlatState, overlap: bool | None) -> bool:
-        """Whether this save defers the copy of optimizer-guarded tensors (`save(overlap=)`)."""
-        wants_overlap = self._options.overlap if overlap is None else overlap
-        if wants_overlap and flat.unguarded and not self._warned_unguarded:
-            self._warned_unguarded = True
-            warnings.warn(
-                f"tiercheck: save(overlap=True): no optimizer in the saved state updates "
-                f"{len(flat.unguarded)} module parameter(s) ({flat.unguarded[0]}, ...); they are "
-                "copied before save() returns, since nothing would hold their writer back. Put "
-                "the optimizer in the state to overlap their copy with training",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return wants_overlap and any(flat.deferrable)
-
-    def _stage(self, job: StagedSave, flat: FlatState, overlapped: bool) -> None:
-        """Copy `flat` into the job's buffer and hand the job to the pipeline. If this raises,
-        the pipeline does not hold the step (the caller may retry it at once)."""
-        if overlapped:
-            try:
-                with self._pipeline.copying():
-                    stage_into(job.buffer, flat, job.plan, deferred=False)
-            except BaseException:
-                self._pool.release(job.buffer)
-                raise
-            self._guard(flat.optimizers)
-            job.handle._staged.clear()
-            self._pipeline.submit(job, finish_staging=flat)
-            return
-        # The writer starts now (it opens the step meanwhile) and writes once the copy is
-        # done; on failure it drops the step and we raise the cause.
-        assert job.progress is not None
-        self._pipeline.submit(job)
-        try:
-            with self._pipeline.copying():
-                stage_into(job.buffer, flat, job.plan, progress=job.progress)
-        except BaseException:
-            # Off the in-flight list before the writer hears of it: a retry of this step
-            # (after Ctrl-C, say) must not meet it there.
-            self._pipeline.forget_unstaged(job)
-            job.progress.fail()
-            raise
 
     # -- when to save ----------------------------------------------------------------
 
@@ -613,17 +460,7 @@ class Checkpointer:
         self._check_process()
         with self._lock:
             self._check_open()
-            holders = [t for t in self._tiers if step in t.committed_steps()]
-            if not holders:
-                if step in self._pipeline.in_flight():
-                    raise StepInFlightError(f"cannot delete step {step}: it is still being written", step=step)
-                where = ", ".join(f"{t.name}={t.location}" for t in self._tiers)
-                raise NoCheckpointError(f"step {step} is not committed on any tier ({where})")
-            mine = [t for t in holders if self._group is None or self._group.leads(t.name)]
-            self._pipeline.become_writer(self.rank, self.world_size)  # deleting is writing
-            self._pipeline.delete_step(step, mine)
-            if self._latest_known == step:
-                self._latest_known = None  # re-derived from the tiers at the next save
+            self._history.delete(step)
 
     def metrics(self, step: int) -> dict[str, int | float]:
         """The metrics recorded with committed `step` (`save(..., metrics=)`), read from its
@@ -646,72 +483,6 @@ class Checkpointer:
         where = ", ".join(f"{t.name}={t.location}" for t in self._tiers)
         raise NoCheckpointError(f"step {step} is not committed on any tier ({where})")
 
-    def _abandon(self, step: int, exc: BaseException) -> None:
-        """save() failed on this rank before the step reached the pipeline: tell the other
-        ranks now, so their part of `step` fails at once instead of at the timeout."""
-        assert self._group is not None
-        for t in self._tiers:
-            try:
-                self._group.coord.abandon(step, t.name, f"save() raised {type(exc).__name__}: {exc}")
-            except Exception as err:
-                logger.warning("tiercheck: could not tell the other ranks that step %d failed: %r", step, err)
-
-    def _guard(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Make each optimizer wait for an overlapped copy before it changes anything."""
-        pipeline = weakref.ref(self._pipeline)  # no cycle: the optimizer may outlive us
-        pid = self._pid
-
-        def wait_for_copy(optimizer: object, args: object, kwargs: object) -> None:
-            p = pipeline()
-            if p is not None and os.getpid() == pid:  # a fork() child has no copy to wait for
-                p.wait_staged()
-
-        for opt in optimizers:
-            known = self._guards.get(id(opt))
-            if known is not None and known[0]() is opt:
-                continue
-            self._guards[id(opt)] = (weakref.ref(opt), opt.register_step_pre_hook(wait_for_copy))
-
-    def _claim_step(self, step: int) -> None:
-        """Check that `step` may be saved (`steporder.claim`); on a new branch after a
-        restore, delete the abandoned steps first, through the pruner (one rank per
-        directory); a TierError from that leaves the branch to the next try."""
-        if self._latest_known is not None:
-            newest = self._latest_known  # set by this session's saves: no listing needed
-            committed: list[int] = []
-        else:  # first save, or first after a restore
-            committed = self._committed_for_claim()
-            in_flight = self._pipeline.in_flight()
-            newest = max(committed[-1:] + in_flight[-1:], default=-1)
-        branch_point, self._branch_point = self._branch_point, None
-        try:
-            decision = claim(step, newest, committed, branch_point, self._tiers[0].path_of(newest))
-        except StepConflictError:
-            self._branch_point = branch_point
-            raise
-        if isinstance(decision, Proceed):
-            return
-        mine = [t for t in self._tiers if self._group is None or self._group.leads(t.name)]  # one rank per directory
-        try:
-            self._pipeline.delete_branch(decision.stale, mine)
-        except TierError:
-            self._branch_point = branch_point  # a retry of the save deletes what is left
-            raise
-        warnings.warn(
-            f"tiercheck: step {step} starts a new branch after restored step {decision.branch_point}; "
-            f"deleted the abandoned steps {list(decision.stale)}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-    def _committed_for_claim(self) -> list[int]:
-        """Committed steps for the step-order check, without blocking on a down object store:
-        what the last restore saw if there was one, else the fastest tier's listing."""
-        if self._seen_at_restore is not None:
-            seen, self._seen_at_restore = list(self._seen_at_restore), None
-            return seen
-        return self._tiers[0].committed_steps()
-
     # -- sync points -----------------------------------------------------------------
 
     def _forked(self) -> bool:
@@ -730,21 +501,9 @@ class Checkpointer:
             raise ClosedError("this Checkpointer is closed; create a new one to save or restore")
 
     def _raise_background_errors(self) -> None:
-        errors = self._pipeline.take_errors()
-        if not errors:
-            return
-        for e in errors:
-            self._runlog.errored(e.step, e.tier, str(e))
-        first = errors[0]
-        if len(errors) > 1:
-            steps = ", ".join(str(e.step) for e in errors)
-            raise TierError(
-                f"{len(errors)} background saves failed (steps {steps}); first: {first}",
-                step=first.step,
-                tier=first.tier,
-                path=first.path,
-            ) from first
-        raise first
+        error = self._pipeline.take_error(lambda e: self._runlog.errored(e.step, e.tier, str(e)))
+        if error is not None:
+            raise error
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save is durable on every tier and retention ran.
@@ -780,20 +539,7 @@ class Checkpointer:
         """
         self._check_process()
         t0 = time.perf_counter()
-        deadline = None if timeout is None else time.monotonic() + timeout
-
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-        if self._local is not None:
-            self._pipeline.wait_tier(self._local.name, left())
-        self._pipeline.wait_idle(left())
-        pending = {t.name: self._pipeline.in_flight(t.name) for t in self._tiers}
-        report = DrainReport(
-            durable={t.name: self._pipeline.newest_durable.get(t.name) for t in self._tiers},
-            pending=pending,
-            errors=tuple(self._pipeline.take_errors()),
-        )
+        report = self._pipeline.drain(timeout)
         logger.warning("tiercheck drain: %s", report)
         self._runlog.drained(report, time.perf_counter() - t0)
         return report
@@ -864,41 +610,24 @@ class Checkpointer:
                 sig.deliver()
 
     def _close(self, sig: SigtermState | None) -> None:
-        if not self._closed and not self._wait_closing(sig):
+        # Without the lock the first time: a done callback may call delete() or metrics().
+        if not self._closed and not self._pipeline.wait_closing(sig):
             return
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._finalizer.detach()
-            for _, hook in self._guards.values():
-                hook.remove()
-            self._guards.clear()
+            self._stager.unguard()
             t0 = time.perf_counter()
-            if not self._wait_closing(sig):
+            if not self._pipeline.wait_closing(sig):
                 return
             self._runlog.close(time.perf_counter() - t0)
-            if not self._wait_closing(sig):  # the run log's last tier-2 write, if it has one
+            if not self._pipeline.wait_closing(sig):  # the run log's last tier-2 write, if it has one
                 return
             self._pipeline.close()
             self._pool.clear()
             self._raise_background_errors()
-
-    def _wait_closing(self, sig: SigtermState | None) -> bool:
-        """Wait until nothing is pending (without the lock the first time: a done callback
-        may call delete() or metrics()); once a SIGTERM arrived, only until its grace period
-        ends: False then, and close stops there for the signal to be delivered."""
-        if sig is None:
-            return self._pipeline.wait_idle()
-        # In slices: a signal landing during the wait sets the deadline.
-        while not self._pipeline.wait_idle(0.1):
-            if sig.received and time.monotonic() >= sig.deadline:
-                logger.warning(
-                    "tiercheck: SIGTERM's grace period ended during close(); steps still pending: %s",
-                    self._pipeline.in_flight(),
-                )
-                return False
-        return True
 
     # -- restore ---------------------------------------------------------------------
 
@@ -958,11 +687,7 @@ class Checkpointer:
             self._check_open()
             t0 = time.perf_counter()
             self._wait()
-            if self._group is None:
-                found = restore_from(
-                    self._tiers, state, step, self.rank, strict, world_size=self.world_size, progress=progress
-                )
-            else:
+            if isinstance(self._group, Group):
                 found = restore_collective(
                     self._group.coord,
                     self._local,
@@ -974,12 +699,14 @@ class Checkpointer:
                     strict,
                     progress,
                 )
+            else:
+                found = restore_from(
+                    self._tiers, state, step, self.rank, strict, world_size=self.world_size, progress=progress
+                )
             self._runlog.restored(None if found is None else found.step, time.perf_counter() - t0)
             if found is None:
                 return None
-            self._branch_point = found.step
-            self._seen_at_restore = found.committed
-            self._latest_known = None  # re-derived at the next save
+            self._history.restored(found.step, found.committed)
             return found.step
 
 

@@ -2,8 +2,9 @@
 
 `Checkpointer.__init__` keeps its keyword arguments (they are the public API); it hands
 them to `Options.validate`, which checks each one, resolves the job's place (rank, world
-size, store) and turns retention arguments into policies. Every later decision reads the
-frozen `Options`, never the raw arguments.
+size, store), turns retention arguments into policies and groups them by concern (tiers,
+retention, job, save, run log). Every later decision reads the frozen groups, each part
+of the Checkpointer the one it needs, never the raw arguments.
 """
 
 from __future__ import annotations
@@ -12,23 +13,32 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import InvalidArgumentError
 from .format.checksum import ALGORITHMS
 from .job.store import from_process_group
 from .plan.placement import normalize_replicated
-from .plan.retention import RetentionPolicy, as_policy
+from .plan.retention import as_policy
 from .plan.schedule import SavePolicy
+from .plan.settings import JobOptions, RetentionOptions, RunLogOptions, SaveOptions
 from .tiers.base import Tier
 from .tiers.open import REMOTE_RETRY_BUDGET, REMOTE_TIMEOUT, open_tier, with_timeouts
 from .tiers.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "BACKLOG_POLICIES",
     "REMOTE_RETRY_BUDGET",
     "REMOTE_TIMEOUT",
+    "JobOptions",
     "Options",
+    "RetentionOptions",
+    "RunLogOptions",
+    "SaveOptions",
+    "TierOptions",
     "job_place",
     "open_tiers",
 ]
@@ -36,39 +46,37 @@ __all__ = [
 BACKLOG_POLICIES = ("newest", "all")
 
 Location = str | os.PathLike[str] | Tier
+_G = TypeVar("_G", bound="DataclassInstance")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Options:
-    """Every Checkpointer option, checked; see `Checkpointer` for what each means."""
+class TierOptions:
+    """How the two tiers are opened (`open_tiers`): the locations and each tier's knobs."""
 
     local: Location | None
     remote: Location | None
     storage_options: Mapping[str, Any] | None
-    keep_local: RetentionPolicy
-    keep_remote: RetentionPolicy
-    host_buffers: int
-    checksum: str
     direct_io: bool
     fsync: bool
     local_write_rate: float | None
     remote_write_rate: float | None
     remote_retry_budget: float
     remote_timeout: float
-    upload_backlog: str
     remote_compression: str | None
     remote_concurrency: int
     remote_part_size: int
-    overlap: bool
-    low_priority: bool
-    rank: int
-    world_size: int
-    store: Any
-    replicated: bool | frozenset[str | int]
-    replicated_writer: int | str
-    coordination_timeout: float
-    run_log_interval: float | None
-    interval: SavePolicy | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+    """Every Checkpointer option, checked and grouped by concern; see `Checkpointer` for
+    what each means. Each part of the Checkpointer is handed the group it needs."""
+
+    tiers: TierOptions
+    retention: RetentionOptions
+    job: JobOptions
+    save: SaveOptions
+    run_log: RunLogOptions
 
     @classmethod
     def validate(cls, **kwargs: Any) -> Options:
@@ -105,16 +113,25 @@ class Options:
             raise InvalidArgumentError(
                 f"upload_backlog must be one of {BACKLOG_POLICIES}, got {kwargs['upload_backlog']!r}"
             )
+        fields = {
+            **kwargs,
+            "rank": rank,
+            "world_size": world_size,
+            "store": store,
+            "replicated": normalize_replicated(kwargs["replicated"]),
+            "keep_local": as_policy(kwargs["keep_local"], "keep_local"),
+            "keep_remote": as_policy(kwargs["keep_remote"], "keep_remote"),
+        }
+
+        def group(kind: type[_G]) -> _G:
+            return kind(**{f.name: fields[f.name] for f in dataclasses.fields(kind)})
+
         return cls(
-            **{
-                **kwargs,
-                "rank": rank,
-                "world_size": world_size,
-                "store": store,
-                "replicated": normalize_replicated(kwargs["replicated"]),
-                "keep_local": as_policy(kwargs["keep_local"], "keep_local"),
-                "keep_remote": as_policy(kwargs["keep_remote"], "keep_remote"),
-            }
+            tiers=group(TierOptions),
+            retention=group(RetentionOptions),
+            job=group(JobOptions),
+            save=group(SaveOptions),
+            run_log=RunLogOptions(interval=interval_s),
         )
 
 
@@ -141,7 +158,7 @@ def job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[int
     return rank, world_size, store
 
 
-def open_tiers(opts: Options, defaults: Mapping[str, Any]) -> tuple[Tier | None, Tier | None]:
+def open_tiers(opts: TierOptions, defaults: Mapping[str, Any]) -> tuple[Tier | None, Tier | None]:
     """Tier 1 and tier 2 from the options (`open_tier`). A `Tier` passed in is used as it
     is: a tier option of the same role that differs from its default (`defaults`, by
     argument name) is an InvalidArgumentError, since the tier keeps the options it was

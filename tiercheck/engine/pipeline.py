@@ -1,25 +1,22 @@
-"""Background work: the pipeline's threads, queues, per-step tracking and backlog policy.
+"""Background work: the pipeline's threads, queues and per-step tracking.
 
 Two workers, one per tier role, each draining its own queue:
 
 * the writer of the fast tier (tier 1) takes staged saves in order. For each step it
-  checksums the host buffer on a helper thread while it writes the shard (`writestep`),
-  commits it (`commit`), returns the host buffer to the pool, hands the step to the
-  uploader and applies tier-1 retention (`pruner`);
-* the uploader copies committed tier-1 steps to the durable tier (tier 2; `upload`), or,
-  without a tier 1, writes staged saves straight from the host buffer. When it falls behind
-  (``upload_backlog="newest"``), it skips the waiting steps that tier-2 retention would
-  delete anyway; a step tier 2 would keep is always uploaded.
-
-A step tier-2 retention would keep stays on tier 1 until it is on tier 2: while it waits
-for its upload, and after a failed upload (the next session's catch-up uploads it).
+  checksums the host buffer on a helper thread while it writes the shard (`steps.write`),
+  commits it (`job.commit`), returns the host buffer to the pool, hands the step to the
+  uploader and applies tier-1 retention (`steps.prune`);
+* the uploader (`uploads`: the tier-2 side, its backlog policy and the catch-up upload)
+  copies committed tier-1 steps to tier 2, or, without a tier 1, writes staged saves
+  straight from the host buffer.
 
 Threads (docs/design.md lists every module that starts one): the two workers, a stager
-for overlapped saves, the checksum helper, and a callback worker started at the first
-`SaveHandle.add_done_callback`, so a slow callback never holds the writer or the uploader.
-Outside this module only two helpers run threads, each joined before its call returns:
-the object-store tier's per-call timeout (`tiers.remote`) and restore's checksum helper
-(`restore`).
+for overlapped saves, the checksum helper, the reclaimer that frees deleted tier-1 steps,
+and a callback worker started at the first `SaveHandle.add_done_callback` (`tracking`), so
+a slow callback never holds the writer or the uploader. All are started here or by the
+parts this module builds (`uploads`, `tracking`). Outside the engine only two helpers run
+threads, each joined before its call returns: the object-store tier's per-call timeout
+(`tiers.remote`) and restore's checksum helper (`steps.restore`).
 
 A session only reads until `become_writer` (its first save or prepare): it then takes its
 rank's writer lock on tier 1, sweeps that rank's leftovers, and catches up the uploads an
@@ -34,29 +31,27 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import ClosedError, StepInFlightError, TiercheckError, TierError, UploadSkippedError, tier_error
-from ..job.coordination import Group
+from ..errors import ClosedError, TiercheckError, TierError, UploadSkippedError, tier_error
+from ..job.coordination import Membership
+from ..job.trigger import SigtermState
 from ..observe.events import logger
-from ..plan.retarget import Key
-from ..plan.retention import KeepAll, RetentionPolicy, plan_catch_up, superseded
+from ..plan.settings import RetentionOptions, SaveOptions
 from ..state.flatten import FlatState
-from ..steps.handle import SaveHandle
+from ..steps.handle import DrainReport
 from ..steps.prune import Pruner
 from ..steps.stage import HostBufferPool, StagingAborted, stage_into
-from ..steps.upload import copy_from_local, uploaders_of
 from ..steps.write import StagedSave, write_staged
 from ..tiers.base import Tier
 from .priority import lower_current_thread
 from .tracking import Tracker
+from .uploads import Uploads
 from .workers import STOP, Worker
 
 __all__ = ["Pipeline", "StagedSave"]
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,90 +63,80 @@ class _Stage:
 
 
 @dataclass(frozen=True, slots=True)
-class _Upload:
-    """Copy a step committed on tier 1 to tier 2."""
-
-    step: int
-    rank: int
-    handle: SaveHandle | None  # None: a catch-up upload of a step from an earlier run
-    remote_owners: tuple[tuple[Key, int], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class _Prune:
     """Apply tier-1 retention again (an upload finished, so a step lost its protection)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _CatchUp:
-    """Upload the tier-1 steps an earlier run never uploaded that tier 2 would keep."""
-
-
-@dataclass(frozen=True, slots=True)
-class _SideTask:
-    """A small tier-2 write that is not a step (the run log, without a tier 1); it handles
-    its own errors."""
-
-    run: Callable[[], None]
-
-
 class Pipeline:
-    """Owns the workers, the checksum helper, per-step tracking, the backlog policy and the
-    error mailbox; the work itself is `writestep`, `upload`, `commit` and `pruner`."""
+    """Owns the workers, the checksum helper, per-step tracking and the error mailbox; the
+    tier-2 side is `Uploads`, the work itself `steps.write`, `steps.upload`, `job.commit`
+    and `steps.prune`.
+
+    Args:
+        fast: tier 1 (written first, from the host buffer), or None.
+        durable: tier 2 (filled from tier 1, or from the buffer without one), or None.
+        pool: the host buffers saves are staged into.
+        group: this process's place in the job.
+        retention: each tier's policy and the upload backlog policy.
+        save: the checksum algorithm and the workers' I/O priority.
+    """
 
     def __init__(
         self,
         fast: Tier | None,
         durable: Tier | None,
         pool: HostBufferPool,
-        keep_fast: RetentionPolicy,
-        keep_durable: RetentionPolicy,
-        checksum: str,
-        upload_backlog: str = "newest",
-        low_priority: bool = True,
-        group: Group | None = None,
+        group: Membership,
+        *,
+        retention: RetentionOptions,
+        save: SaveOptions,
     ) -> None:
-        self.fast = fast  # tier 1: written first, from the host buffer
-        self.durable = durable  # tier 2: filled from tier 1 (or from the buffer without one)
-        tiers = [t for t in (fast, durable) if t is not None]
+        self.fast = fast
+        self.durable = durable
+        self._tiers = [t for t in (fast, durable) if t is not None]
         self._pool = pool
-        self._backlog = upload_backlog
         self._group = group
-        self._checksum_name = checksum
-        keep = {t.name: k for t, k in ((fast, keep_fast), (durable, keep_durable)) if t is not None}
+        self._checksum_name = save.checksum
+        keep = {t.name: k for t, k in ((fast, retention.keep_local), (durable, retention.keep_remote)) if t}
         self._tracker = Tracker(group, lambda tier: self._pruner.failed(tier))
         self._lock = self._tracker.lock
         self._idle = self._tracker.idle
-        self._pruner = Pruner(tiers, keep, group, self._lock)
+        self._pruner = Pruner(self._tiers, keep, group, self._lock)
         self._tracks = self._tracker.tracks  # guarded by `_lock`
         self.in_flight = self._tracker.in_flight
         self.wait_tier = self._tracker.wait_tier
         self.call_soon = self._tracker.call_soon
         self.take_errors = self._tracker.take_errors
+        self.take_error = self._tracker.take_error
         self.error_seen = self._tracker.error_seen
         self.newest_durable = self._tracker.newest_durable  # per tier, the newest step made durable here
         self._finish = self._tracker.finish
-        self._first_report = self._tracker.first_report
         self._report = self._tracker.report
-        self._uploading: int | None = None  # also protects a catch-up upload from tier-1 pruning
-        # Tier-1 steps tier 2 still needs that no handle tracks: catch-up uploads not yet
-        # attempted, and failed uploads that tier-2 retention would keep (`_settle_owed`).
-        # Tier-1 retention never deletes them.
-        self._catching_up: set[int] = set()
-        self._owed: set[int] = set()
-        # Steps `delete_step` was asked to delete while a catch-up upload (which no handle
-        # tracks, so no caller can wait for it) was copying them: deleted when it ends.
-        self._delete_after_upload: set[int] = set()
         self._writing = False
         self._catch_up_queued = False
         self._closed = False
         self._copies = 0  # saves copying into host memory now (guarded by `_lock`)
+        low = save.low_priority
         # The stager keeps normal priority: an optimizer step may be waiting for it.
-        init = lower_current_thread if low_priority else None
+        init = lower_current_thread if low else None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-checksum", initializer=init)
         self._stager = Worker("tiercheck-stager", self._run_stage, self._idle)
-        self._writer = Worker("tiercheck-writer", self._run_local, self._idle, low_priority) if fast else None
-        self._uploader = Worker("tiercheck-uploader", self._run_remote, self._idle, low_priority) if durable else None
+        self._writer = Worker("tiercheck-writer", self._run_local, self._idle, low) if fast else None
+        self._uploads: Uploads | None = None
+        if durable is not None:
+            self._uploads = Uploads(
+                fast,
+                durable,
+                pool=pool,
+                tracker=self._tracker,
+                pruner=self._pruner,
+                group=group,
+                backlog=retention.upload_backlog,
+                low_priority=low,
+                write_from_buffer=self._write_from_buffer,
+                prune_fast=self._request_local_prune,
+            )
+        self._uploader = None if self._uploads is None else self._uploads.worker
         # Freeing a deleted tier-1 step's bytes (seconds for a multi-GB shard on ext4) runs on
         # a thread of its own that `wait_idle` does not wait for: a step is durable, and
         # `wait()` returns, without waiting for an older step's bytes to be freed.
@@ -186,16 +171,16 @@ class Pipeline:
             if self._catch_up_queued:
                 return
             self._catch_up_queued = True
-        self._uploader_put(_CatchUp())
+        assert self._uploads is not None
+        self._uploads.catch_up()
 
     def submit(self, job: StagedSave, finish_staging: FlatState | None = None) -> None:
         """Queue `job` for writing; with `finish_staging`, first copy its deferred leaves on
         the staging thread (an overlapped save)."""
-        tiers = {t.name for t in (self.fast, self.durable) if t is not None}
         with self._lock:
             if self._closed:
                 raise ClosedError("the checkpointer is closed")
-            self._tracker.add(job.step, job.handle, tiers)
+            self._tracker.add(job.step, job.handle, {t.name for t in self._tiers})
         self.start_catch_up()  # after the step is tracked: the catch-up counts it as pending
         if finish_staging is not None:
             self._stager.put(_Stage(job, finish_staging))
@@ -210,15 +195,16 @@ class Pipeline:
     def submit_side_task(self, run: Callable[[], None]) -> None:
         """Run `run` on the uploader thread, between steps; dropped once the pipeline is closed."""
         with self._lock:
-            if self._closed or self._uploader is None:
+            if self._closed or self._uploads is None:
                 return
-        self._uploader_put(_SideTask(run))
+        self._uploads.side_task(run)
 
     def _write_next(self, job: StagedSave) -> None:
         if self._writer is not None:
             self._writer.put(job)
         else:
-            self._uploader_put(job)
+            assert self._uploads is not None
+            self._uploads.from_buffer(job)
 
     def wait_staged(self) -> None:
         """Block while an overlapped save is still copying (the optimizer pre-step guard)."""
@@ -283,11 +269,38 @@ class Pipeline:
         ):
             self.fast.release_writer()  # never while a write may still be running
 
-    # -- bookkeeping -----------------------------------------------------------------
+    def wait_closing(self, sig: SigtermState | None) -> bool:
+        """Wait until nothing is pending; once a SIGTERM arrived (`sig`), only until its grace
+        period ends: False then, and close stops there for the signal to be delivered."""
+        if sig is None:
+            return self.wait_idle()
+        # In slices: a signal landing during the wait sets the deadline.
+        while not self.wait_idle(0.1):
+            if sig.received and time.monotonic() >= sig.deadline:
+                logger.warning(
+                    "tiercheck: SIGTERM's grace period ended during close(); steps still pending: %s",
+                    self.in_flight(),
+                )
+                return False
+        return True
 
-    def _uploader_put(self, item: object) -> None:
-        assert self._uploader is not None
-        self._uploader.put(item)
+    def drain(self, timeout: float | None) -> DrainReport:
+        """Tier 1 first, then everything, within `timeout` seconds; the errors are consumed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if self.fast is not None:
+            self.wait_tier(self.fast.name, left())
+        self.wait_idle(left())
+        return DrainReport(
+            durable={t.name: self.newest_durable.get(t.name) for t in self._tiers},
+            pending={t.name: self.in_flight(t.name) for t in self._tiers},
+            errors=tuple(self.take_errors()),
+        )
+
+    # -- bookkeeping -----------------------------------------------------------------
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[None]:
@@ -317,7 +330,7 @@ class Pipeline:
         tier = self.fast
         assert tier is not None
         if isinstance(item, _Prune):
-            self._report(self._prune(tier, None))
+            self._report(self._prune_fast())
             return
         assert isinstance(item, StagedSave)
         try:
@@ -326,17 +339,17 @@ class Pipeline:
             return
         if error is None:
             self._pool.release(item.buffer)
-            if self.durable is not None:
-                self._queue_upload(_Upload(item.step, item.rank, item.handle, item.remote_owners))
-        elif self.durable is not None:
+            if self._uploads is not None:
+                self._uploads.upload(item)
+        elif self._uploads is not None:
             # Tier 1 failed (disk full, say): the snapshot is still in host memory, so it
             # goes to tier 2 from there, and the step is not lost with the local disk.
-            self._uploader_put(item)
+            self._uploads.from_buffer(item)
         else:
             self._pool.release(item.buffer)
         self._finish(item.step, tier.name, error)
         if error is None:
-            self._report(self._prune(tier, item.step))
+            self._report(self._prune_fast(item.step))
 
     def _write_from_buffer(self, tier: Tier, item: StagedSave, doing: str) -> TierError | None:
         """Write a staged step to `tier`; the caller releases the buffer. If the copy itself
@@ -361,208 +374,15 @@ class Pipeline:
             self._finish(item.step, name, error, handle=item.handle)
         self._pool.release(item.buffer)
 
-    # -- tier-2 uploader -------------------------------------------------------------
-
-    def _run_remote(self, item: object) -> None:
-        tier = self.durable
-        assert tier is not None
-        if isinstance(item, _CatchUp):
-            self._catch_up(tier)
-            return
-        if isinstance(item, _SideTask):
-            item.run()
-            return
-        if isinstance(item, StagedSave):  # no tier 1 (or it failed): from the host buffer
-            try:
-                error = self._write_from_buffer(tier, item, "uploading")
-            except StagingAborted:
-                return
-            self._pool.release(item.buffer)
-            self._finish(item.step, tier.name, error)
-            if error is None:
-                self._report(self._prune(tier, item.step))
-                if self._settle_owed(tier, listed=True):
-                    self._request_local_prune()
-            return
-        assert isinstance(item, _Upload)
-        error = None
-        with self._lock:
-            if item.step in self._pruner.deleting:  # a catch-up upload of a step being deleted
-                self._catching_up.discard(item.step)
-                return
-            self._uploading = item.step
-        try:
-            if item.handle is None and self.fast is not None and item.step not in self.fast.committed_steps():
-                return  # a catch-up upload of a step deleted since (`finally` clears `_uploading`)
-            self._copy_from_local(item.step, item.rank, dict(item.remote_owners))
-        except Exception as exc:
-            error = tier_error(exc, item.step, tier, "uploading")
-        finally:
-            with self._lock:
-                self._uploading = None
-                self._idle.notify_all()  # a branch deletion may wait for this upload (`delete_branch`)
-                self._catching_up.discard(item.step)
-                if error is not None:  # before the step leaves the in-flight list
-                    self._owed.add(item.step)
-                doomed = item.step in self._delete_after_upload
-                self._delete_after_upload.discard(item.step)
-            if doomed:
-                self._delete_deferred(item.step)
-        if item.handle is not None:
-            item.handle.stats.tier_s[tier.name] = time.monotonic() - item.handle.started_at
-            self._finish(item.step, tier.name, error)
-        elif error is not None:
-            self._report(error)
-        if error is None:
-            self._report(self._prune(tier, item.step))
-        self._settle_owed(tier, listed=error is None)
-        self._request_local_prune()  # the step is off tier 1's protection list now
-
-    def _settle_owed(self, tier: Tier, listed: bool) -> bool:
-        """Keep on tier 1 only the failed uploads tier-2 retention would still keep, given the
-        steps known for tier 2: those in flight and, when `listed` (tier 2 just worked), its
-        listing. A failed milestone stays until a later session uploads it; a failed step that
-        `KeepLast` alone kept is released once enough newer steps exist. True if any was."""
-        with self._lock:
-            if not self._owed or isinstance(self._pruner.policy(tier), KeepAll):
-                return False
-        listing: list[int] = []
-        if listed:
-            try:
-                listing = tier.committed_steps()
-            except Exception as exc:
-                logger.warning("tiercheck: could not list tier %s: %r", tier.name, exc)
-        with self._lock:
-            before = len(self._owed)
-            self._owed.difference_update(listing)
-            others = set(listing) | {s for s, t in self._tracks.items() if tier.name in t.remaining}
-            if self._uploading is not None:
-                others.add(self._uploading)
-            self._owed.difference_update(superseded(self._owed, self._pruner.policy(tier), others))
-            return len(self._owed) != before
-
-    def _queue_upload(self, upload: _Upload) -> None:
-        """Queue an upload; under the "newest" policy, drop right away the waiting uploads (not
-        the one in progress) that tier-2 retention would delete anyway once the newer steps are
-        there, so their steps lose tier-1 protection now rather than when the uploader gets to
-        them. A step tier 2 would keep (a `KeepEvery` milestone, one of `KeepLast(n)`'s n
-        newest, any step under `KeepAll`) is never dropped: with keep_remote=KeepLast(n), tier 1
-        holds at most the step being uploaded, n waiting, and the milestones among them."""
-        assert self._uploader is not None
-        dropped: list[_Upload] = []
-        if self._backlog == "newest":
-            assert self.durable is not None
-            with self._lock:
-                uploading = self._uploading
-            with self._uploader.cond:
-                waiting = [q.step for q in self._uploader.queue if isinstance(q, _Upload) and q.step < upload.step]
-                others = [upload.step] + [q.step for q in self._uploader.queue if isinstance(q, StagedSave)]
-                if uploading is not None:
-                    others.append(uploading)
-                doomed = set(superseded(waiting, self._pruner.policy(self.durable), others))
-                keep: deque[object] = deque()
-                for q in self._uploader.queue:
-                    if isinstance(q, _Upload) and q.step in doomed:
-                        dropped.append(q)
-                    else:
-                        keep.append(q)
-                self._uploader.queue = keep
-            if dropped:
-                with self._idle:
-                    self._uploader.unfinished -= len(dropped)
-                    self._catching_up.difference_update(q.step for q in dropped)
-        self._uploader_put(upload)
-        for q in dropped:  # the tier-1 writer prunes right after queueing this upload
-            self._skip_upload(q)
-
-    def _skip_upload(self, item: _Upload) -> None:
-        assert self.durable is not None
-        if item.handle is not None:
-            self._finish(
-                item.step,
-                self.durable.name,
-                UploadSkippedError(
-                    f"step {item.step} was not uploaded to tier {self.durable.name!r}: uploads were behind "
-                    "and newer steps superseded it, so tier-2 retention would delete it anyway "
-                    "(upload_backlog='newest')"
-                ),
-            )
-
     def _request_local_prune(self) -> None:
         if self._writer is not None:
             self._writer.put(_Prune())
-
-    def _catch_up(self, tier: Tier) -> None:
-        """Upload the tier-1 steps an earlier run committed but never uploaded (a kill, a
-        failed upload) that tier-2 retention would keep, milestones included."""
-        assert self.fast is not None
-        if self._group is not None:
-            self._catch_up_job(tier)
-            return
-        try:
-            local_steps = self.fast.committed_steps()
-            if not local_steps:
-                return
-            remote_steps = tier.committed_steps()
-        except Exception as exc:
-            logger.warning("tiercheck: could not compare tiers at start-up: %r", exc)
-            return
-        with self._lock:
-            steps = plan_catch_up(local_steps, remote_steps, self._pruner.policy(tier), list(self._tracks))
-            self._catching_up.update(steps)
-        if steps:
-            logger.info("uploading steps %s, committed on tier 1 by an earlier run but not on tier 2", steps)
-        for step in steps:
-            self._uploader_put(_Upload(step, 0, None))
-
-    def _catch_up_job(self, tier: Tier) -> None:
-        """`_catch_up` for a job: rank 0 picks the steps (among those on every rank's tier 1)
-        and every rank uploads its part of each."""
-        assert self.fast is not None and self._group is not None
-        try:
-            mine = self.fast.committed_steps()
-        except OSError:
-            mine = []
-        with self._lock:
-            pending = list(self._tracks)
-
-        def plan(common: set[int]) -> list[int]:
-            return plan_catch_up(common, tier.committed_steps(), self._pruner.policy(tier), pending)
-
-        try:
-            steps = self._group.coord.agree_catch_up(mine, plan)
-        except Exception as exc:
-            logger.warning("tiercheck: no catch-up upload at start-up: %r", exc)
-            return
-        for step in steps:
-            owners: dict[Key, int] = {}
-            if self._group.node_local:  # tier 2 gets one copy of the replicated keys, as for any step
-                try:
-                    owners = uploaders_of(self.fast, step, self._group)
-                except Exception as exc:
-                    logger.warning("tiercheck: no catch-up upload of step %d: %r", step, exc)
-                    continue
-            logger.info("uploading step %d, committed on tier 1 by an earlier run but not on tier 2", step)
-            with self._lock:
-                self._catching_up.add(step)
-            self._uploader_put(_Upload(step, self._group.rank, None, tuple(owners.items())))
-
-    def _copy_from_local(self, step: int, rank: int, owners: dict[Key, int]) -> None:
-        src, dst = self.fast, self.durable
-        assert src is not None and dst is not None
-        marker = copy_from_local(
-            src, dst, step, rank, owners, self._group, lambda: self._first_report(step, dst.name)
-        )
-        self._pruner.remember_metrics(dst, step, marker.metrics)
-
-    # -- shared ------------------------------------------------------------------------
 
     def _write_staged(self, tier: Tier, job: StagedSave) -> None:
         # Tier 1 failed and this part goes to tier 2 from host memory: as a tier-1 upload
         # would, leave out the replicated keys other ranks upload. On a node-local tier 1,
         # directories hold their own copies of replicated keys, so ranks agree there on which
         # keys are replicated, not on who holds them.
-        node_local = self._group is not None and self._group.node_local
         write_staged(
             tier,
             job,
@@ -570,29 +390,22 @@ class Pipeline:
             checksum_algorithm=self._checksum_name,
             group=self._group,
             owners=dict(job.remote_owners) if tier is self.durable else {},
-            owners_agree=not (node_local and tier is self.fast),
-            reported=lambda: self._first_report(job.step, tier.name),
+            owners_agree=not (self._group.node_local and tier is self.fast),
+            reported=lambda: self._tracker.first_report(job.step, tier.name),
         )
         self._pruner.remember_metrics(tier, job.step, job.metrics)
 
-    def _prune(self, tier: Tier, newest: int | None) -> TierError | None:
-        if tier is self.fast:
-            return self._pruner.prune(tier, newest, self._tier1_protected, self._forget_owed)
-        return self._pruner.prune(tier, newest, lambda: self.in_flight(tier.name))
-
-    def _forget_owed(self, committed: list[int]) -> None:
-        """A failed upload deleted from tier 1 since (a new branch): nothing to keep for it."""
-        with self._lock:
-            self._owed.intersection_update(committed)
+    def _prune_fast(self, newest: int | None = None) -> TierError | None:
+        assert self.fast is not None
+        forget = self._uploads.forget_owed if self._uploads is not None else lambda committed: None
+        return self._pruner.prune(self.fast, newest, self._tier1_protected, forget)
 
     def _tier1_protected(self) -> list[int]:
-        """Tier-1 steps retention must not delete: in flight on either tier, being uploaded,
-        queued for a catch-up upload, or failed to upload while tier 2 would keep them."""
+        """Tier-1 steps retention must not delete: in flight on either tier, or still needed
+        by tier 2 (`Uploads.protected`)."""
         steps = set(self.in_flight())
-        with self._lock:
-            steps |= self._catching_up | self._owed
-            if self._uploading is not None:
-                steps.add(self._uploading)
+        if self._uploads is not None:
+            steps |= self._uploads.protected()
         return sorted(steps)
 
     def delete_step(self, step: int, tiers: list[Tier]) -> None:
@@ -604,19 +417,10 @@ class Pipeline:
             StepInFlightError: `step` is still being written or uploaded by a save.
             TierError: a tier failed; the other tiers were still tried.
         """
-        while True:
-            with self._lock:
-                if self._uploading == step and step not in self._tracks:
-                    self._delete_after_upload.add(step)  # a catch-up upload: deleted when it ends
-                    return
-            try:
-                self._pruner.delete_step(step, tiers, lambda s: s in self._tracks or self._uploading == s)
-                return
-            except StepInFlightError:
-                with self._lock:
-                    if step in self._tracks or self._uploading != step:
-                        raise
-                # else a catch-up upload of it started meanwhile: defer, as above
+        if self._uploads is not None:
+            self._uploads.delete_step(step, tiers)
+        else:
+            self._pruner.delete_step(step, tiers, lambda s: s in self._tracks)
 
     def delete_branch(self, steps: Sequence[int], tiers: list[Tier]) -> None:
         """Delete the abandoned `steps` after a rollback from `tiers` before the new branch is
@@ -626,24 +430,7 @@ class Pipeline:
         Raises:
             TierError: a tier failed to delete one of them.
         """
-
-        def wait_copies(doomed: set[int]) -> None:
-            with self._idle:
-                self._idle.wait_for(lambda: self._uploading not in doomed)
-
-        self._pruner.delete_branch(steps, tiers, wait_copies)
-
-    def _delete_deferred(self, step: int) -> None:
-        """Delete `step` (its catch-up upload just ended) from every tier this rank deletes
-        from that holds it now, tier 2 included if the upload committed it there."""
-        tiers = [t for t in (self.fast, self.durable) if t is not None]
-        tiers = [t for t in tiers if self._group is None or self._group.leads(t.name)]
-        try:
-            tiers = [t for t in tiers if step in t.committed_steps()]
-            self._pruner.delete_step(step, tiers, lambda s: s in self._tracks)
-        except StepInFlightError:  # saved again meanwhile (a new branch): that save's now
-            logger.info("tiercheck: not deleting step %d after its upload: it is being saved again", step)
-        except TierError as exc:
-            self._report(exc)
-        except Exception as exc:
-            logger.warning("tiercheck: could not delete step %d after its upload: %r", step, exc)
+        if self._uploads is not None:
+            self._uploads.delete_branch(steps, tiers)
+        else:
+            self._pruner.delete_branch(steps, tiers, lambda doomed: None)

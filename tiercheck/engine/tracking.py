@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import TiercheckError, TierError
-from ..job.coordination import Group
+from ..job.coordination import Membership
 from ..observe.events import emit, logger
 from ..steps.handle import SaveHandle
 from .workers import STOP, Worker, run_callback
@@ -31,12 +31,12 @@ class Tracker:
     whenever a step finishes or a queued item ran.
 
     Args:
-        group: the job, told at once when this rank's part of a step fails; or None.
+        group: the job, told at once when this rank's part of a step fails.
         failed: called with a tier's name when a step failed there (it may have left data
             without a marker).
     """
 
-    def __init__(self, group: Group | None, failed: Callable[[str], None]) -> None:
+    def __init__(self, group: Membership, failed: Callable[[str], None]) -> None:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.tracks: dict[int, _Track] = {}  # guarded by `lock`
@@ -112,6 +112,25 @@ class Tracker:
             errors, self._errors = self._errors, []
         return errors
 
+    def take_error(self, each: Callable[[TierError], None]) -> TierError | None:
+        """The background errors since the last call as one error to raise (the first, or
+        one naming every failed step and caused by the first); `each` sees every one."""
+        errors = self.take_errors()
+        for e in errors:
+            each(e)
+        if len(errors) <= 1:
+            return errors[0] if errors else None
+        first = errors[0]
+        steps = ", ".join(str(e.step) for e in errors)
+        combined = TierError(
+            f"{len(errors)} background saves failed (steps {steps}); first: {first}",
+            step=first.step,
+            tier=first.tier,
+            path=first.path,
+        )
+        combined.__cause__ = first
+        return combined
+
     def error_seen(self, err: TierError) -> None:
         """A handle raised `err` to the caller: it must not be raised again."""
         with self.lock, contextlib.suppress(ValueError):
@@ -129,9 +148,9 @@ class Tracker:
     ) -> None:
         """Record `step`'s outcome on `tier`. With `handle`, only if that save still owns
         the step: a save whose copy failed may have been retried with the same step since."""
-        if error is not None and self._group is not None and self.first_report(step, tier, handle):
+        if error is not None and self.first_report(step, tier, handle):
             try:  # tell the other ranks now, so they do not wait for us until the timeout
-                self._group.coord.abandon(step, tier, str(error))
+                self._group.abandon(step, tier, str(error))
             except Exception as exc:
                 logger.warning("tiercheck: could not tell the other ranks that step %d failed: %r", step, exc)
         with self.lock:

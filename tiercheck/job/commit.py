@@ -38,9 +38,9 @@ from ..tiers.base import StepWriter, Tier
 from .store import StoreClient, ranges
 
 if TYPE_CHECKING:
-    from .coordination import Group
+    from .coordination import Group, Membership
 
-__all__ = ["CommitVote", "PartReport", "commit_step", "job_marker", "part_may_commit"]
+__all__ = ["CommitVote", "PartReport", "commit_step", "job_marker", "part_may_commit", "vote_commit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +160,7 @@ class CommitVote(StoreClient):
 
 
 def commit_step(
-    group: Group | None,
+    group: Membership,
     tier: Tier,
     writer: StepWriter,
     step: int,
@@ -172,9 +172,20 @@ def commit_step(
     """Make the step visible: alone, write the marker; in a job, publish this rank's part
     and wait until rank 0 has heard from every rank and the marker is written. `reported`
     runs once this rank's part is published (its outcome is then the vote's to tell)."""
-    if group is None:
-        writer.commit(encode_marker(dataclasses.replace(marker, manifests=(ref,))))
-        return
+    group.commit(tier, writer, step, ref, marker, assignment, reported)
+
+
+def vote_commit(
+    group: Group,
+    tier: Tier,
+    writer: StepWriter,
+    step: int,
+    ref: ManifestRef,
+    marker: Marker,
+    assignment: str,
+    reported: Callable[[], object],
+) -> None:
+    """`commit_step` in a job: the vote of this module's docstring, for this rank's part."""
     coord = group.coord
     writer.publish_part()
     reported()

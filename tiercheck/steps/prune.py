@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from ..errors import StepInFlightError, TierError, tier_error
 from ..format.manifest import Metric
-from ..job.coordination import Group
+from ..job.coordination import Membership
 from ..observe.events import logger
 from ..plan.retention import KeepAll, RetentionPolicy, plan_deletions
 from ..tiers.base import Tier
@@ -30,13 +30,13 @@ class Pruner:
     Args:
         tiers: the pipeline's tiers.
         keep: each tier's retention policy, by tier name.
-        group: the job (one rank per directory prunes it), or None.
+        group: the job (one rank per directory prunes it).
         lock: the pipeline's lock: `deleting` is read under it together with the uploads
             in progress, so a deletion and a catch-up upload never start on the same step.
     """
 
     def __init__(
-        self, tiers: list[Tier], keep: dict[str, RetentionPolicy], group: Group | None, lock: threading.Lock
+        self, tiers: list[Tier], keep: dict[str, RetentionPolicy], group: Membership, lock: threading.Lock
     ) -> None:
         self._keep = keep
         self._group = group
@@ -66,7 +66,7 @@ class Pruner:
         """Apply the tier's retention: never a step in `protected()` (in flight, or owed to
         the next tier), never the newest committed one. `listed(committed)` sees the listing.
         Returns the error (naming `newest`, the step whose commit ran this pass) or None."""
-        if self._group is not None and not self._group.leads(tier.name):
+        if not self._group.leads(tier.name):
             return None  # one rank per directory prunes it
         with self._turns[tier.name]:
             if isinstance(self._keep[tier.name], KeepAll):
