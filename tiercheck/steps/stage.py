@@ -3,12 +3,18 @@
 A `HostBufferPool` holds at most `capacity` page-aligned buffers (pinned when the state
 lives on CUDA). They are allocated on first use, grown only when a state gets larger,
 and reused for every later save, so host memory stays flat from save to save.
+
+With tier 0 (`SharedBuffers`), a buffer is a file of a shared-memory filesystem
+(`tiers/memory.py`), sized exactly to the part it holds, so that the very bytes a save copies
+become tier 0's shard once committed; on CUDA the mapping is registered as pinned memory.
+Before such a buffer is overwritten, tier 0 takes back the step it holds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,16 +27,25 @@ from ..errors import InvalidArgumentError, SnapshotChangedError
 from ..format.tree import Leaf
 from ..plan.shards import ALIGNMENT, ShardPlan
 from ..state.flatten import FlatState
+from ..tiers.memory import SharedMemoryTier, ShmBuffer, space_free
 
 
 class HostBuffer:
-    """One reusable staging buffer: a uint8 tensor over page-aligned memory."""
+    """One reusable staging buffer: a uint8 tensor over page-aligned memory (a shared-memory
+    file's mapping when `shm` is given: tier 0)."""
 
-    def __init__(self, nbytes: int, pinned: bool) -> None:
+    def __init__(self, nbytes: int, pinned: bool, shm: ShmBuffer | None = None) -> None:
         self.nbytes = nbytes
         self.pinned = pinned
+        self.shm = shm
         self._mmap: mmap.mmap | None = None
-        if pinned:
+        self._registered = False
+        if shm is not None:
+            self.tensor = torch.frombuffer(shm.map, dtype=torch.uint8)
+            if pinned:  # page-locked for DMA, as cudaHostAlloc memory is
+                _host_register(self.tensor)
+                self._registered = True
+        elif pinned:
             # cudaHostAlloc memory is page-aligned, usable for O_DIRECT writes.
             self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
         else:
@@ -47,6 +62,9 @@ class HostBuffer:
 
     def free(self) -> None:
         self.layout = None  # its views keep the memory alive
+        if self._registered:
+            _host_unregister(self.tensor)
+            self._registered = False
         del self.array
         del self.tensor
         if self._mmap is not None:
@@ -56,12 +74,75 @@ class HostBuffer:
             self._mmap = None
 
 
+def _host_register(t: torch.Tensor) -> None:
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)  # type: ignore[no-untyped-call]
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {t.numel()}-byte tier-0 buffer failed: error {int(rc)}")
+
+
+def _host_unregister(t: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())  # type: ignore[no-untyped-call]
+
+
+class SharedBuffers:
+    """Where the pool's buffers come from when tier 0 is on: files of `tier`'s
+    shared-memory filesystem. A filesystem that is missing, too small or full turns tier 0
+    off with one warning naming the size needed; the pool then allocates private memory and
+    saves go on to the other tiers.
+
+    Args:
+        tier: this job's tier 0.
+        rank: the rank whose buffers these are.
+        copies: how many shards of this rank tier 0 may hold at once (host buffers, plus the
+            replicas it receives): the space a first buffer checks for.
+    """
+
+    def __init__(self, tier: SharedMemoryTier, rank: int, copies: int) -> None:
+        self.tier = tier
+        self.rank = rank
+        self.copies = copies
+        self.enabled = True
+        self.reason: str | None = None
+
+    def new(self, nbytes: int) -> ShmBuffer | None:
+        if not self.enabled or nbytes < 1:
+            return None
+        try:
+            need = nbytes * self.copies
+            free = space_free(self.tier.memory_dir)
+            if free < need:
+                raise OSError(
+                    28, f"{self.copies} shard(s) of {nbytes} bytes need {need} bytes, {free} are free"
+                )
+            return self.tier.new_buffer(self.rank, nbytes)
+        except (OSError, ValueError) as exc:
+            self.disable(str(exc) if isinstance(exc, ValueError) else f"{exc.strerror or exc}")
+            return None
+
+    def disable(self, why: str) -> None:
+        if not self.enabled:
+            return
+        self.enabled = False
+        self.reason = why
+        from ..observe.events import logger
+
+        logger.warning(
+            "tiercheck: tier 0 (memory) is off for rank %d: %s (%s). Saves go on to the other tiers; "
+            "give it room (memory_dir=, a larger /dev/shm, fewer host_buffers/keep_memory) to turn it on",
+            self.rank,
+            why,
+            self.tier.memory_dir,
+        )
+
+
 class HostBufferPool:
     """At most `capacity` buffers; `acquire` blocks while all are in flight."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, shared: SharedBuffers | None = None) -> None:
         if type(capacity) is not int or capacity < 1:
             raise InvalidArgumentError(f"host_buffers must be an int >= 1, got {capacity!r}")
+        self.shared = shared
         self._capacity = capacity
         self._free: list[HostBuffer] = []
         self._count = 0
@@ -73,15 +154,18 @@ class HostBufferPool:
             if not self._cond.wait_for(lambda: self._free or self._count < self._capacity, timeout):
                 raise TimeoutError("no host buffer became free in time")
             if self._free:
-                buf = max(self._free, key=lambda b: b.nbytes)
+                buf = self._pick(nbytes, pinned)
                 self._free.remove(buf)
-                if buf.nbytes >= nbytes and buf.pinned == pinned:
+                if self._fits(buf, nbytes, pinned):
+                    if buf.shm is not None and self.shared is not None:
+                        self.shared.tier.take_back(buf.shm)  # marker first, then it is ours again
                     return buf
-                buf.free()
+                self._free_one(buf)
                 self._count -= 1
             self._count += 1
         try:
-            buf = HostBuffer(nbytes, pinned)
+            shm = self.shared.new(nbytes) if self.shared is not None else None
+            buf = HostBuffer(nbytes, pinned, shm)
         except BaseException:
             with self._cond:
                 self._count -= 1
@@ -89,6 +173,28 @@ class HostBufferPool:
             raise
         self.allocations += 1
         return buf
+
+    def _fits(self, buf: HostBuffer, nbytes: int, pinned: bool) -> bool:
+        if buf.pinned != pinned:
+            return False
+        if buf.shm is not None:  # tier 0's shard is the whole file: exactly the part's size
+            return buf.nbytes == nbytes
+        if self.shared is not None and self.shared.enabled and nbytes > 0:
+            return False  # tier 0 is on: trade a private buffer for a shared one
+        return buf.nbytes >= nbytes
+
+    def _pick(self, nbytes: int, pinned: bool) -> HostBuffer:
+        """A free buffer to reuse or replace: one that fits, holding no tier-0 step or the
+        oldest one (tier 0 keeps its newest steps longest); else the largest."""
+        fitting = [b for b in self._free if self._fits(b, nbytes, pinned)]
+        if fitting:
+            return min(fitting, key=_held_step)
+        return max(self._free, key=lambda b: b.nbytes)
+
+    def _free_one(self, buf: HostBuffer) -> None:
+        buf.free()
+        if buf.shm is not None and self.shared is not None:
+            self.shared.tier.forget_buffer(buf.shm)
 
     def release(self, buf: HostBuffer) -> None:
         with self._cond:
@@ -100,9 +206,19 @@ class HostBufferPool:
     def clear(self) -> None:
         with self._cond:
             for buf in self._free:
-                buf.free()
+                self._free_one(buf)
             self._count -= len(self._free)
             self._free.clear()
+
+
+def _held_step(buf: HostBuffer) -> int:
+    """The step tier 0 holds in `buf` (-1: none), to reuse the oldest first."""
+    if buf.shm is None:
+        return -1
+    from ..format import naming
+
+    step = naming.parse_step_dir(os.path.basename(os.path.dirname(buf.shm.path)))
+    return -1 if step is None else step
 
 
 class StagingAborted(Exception):
