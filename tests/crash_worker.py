@@ -192,6 +192,7 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
     from fsspec.implementations import local as fs_local
 
     from tiercheck import checkpointer as ckpt_mod
+    from tiercheck.engine import stager as stager_mod
     from tiercheck.tiers import local as local_mod
     from tiercheck.tiers import recycle as recycle_mod
     from tiercheck.tiers import remote as remote_mod
@@ -230,7 +231,7 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
         return wrapper
 
     wrap(ckpt_mod.Checkpointer, "save", save)
-    wrap(ckpt_mod, "stage_into", stage_into)
+    wrap(stager_mod, "stage_into", stage_into)  # the caller thread's copy (engine/stager.py)
 
     # -- tier 1 -------------------------------------------------------------------------
 
