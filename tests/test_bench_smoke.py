@@ -1,4 +1,6 @@
-"""Smoke test of the stall benchmark (benchmarks/stall.py) through `python -m tiercheck bench`.
+"""Smoke test of the stall benchmark (benchmarks/stall/stall.py) through `python -m tiercheck bench`,
+the product's command for it; the benchmarks' own parts are imported as the `benchmarks`
+package (the checkout is on pytest's path).
 
 It only checks that the benchmark runs and reports: every method that can run here has
 positive timings; a method that cannot (torchsnapshot not installed, DCP async pieces
@@ -76,12 +78,8 @@ def test_isolated_runs_merge_into_one_report() -> None:
     with their saves renumbered and the targets recomputed, paired by save index."""
     import argparse
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from stall_isolate import merge
-        from stall_report import METRIC_NAMES
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    from benchmarks.stall.isolate import merge
+    from benchmarks.stall.report import METRIC_NAMES
 
     def child(pid: int, method: str, lost: list[float]) -> dict[str, object]:
         def saves(values: list[float]) -> list[dict[str, object]]:
@@ -120,13 +118,9 @@ def test_isolated_runs_merge_into_one_report() -> None:
 
 def test_save_stall_of_many_small_tensors_follows_the_bytes(tmp_path: Path) -> None:
     """5,000 tensors of 1 KiB: save()'s stall over a plain per-tensor copy_ into one buffer,
-    measured side by side (benchmarks/many_tensors.py). It was about 12x before the structure
+    measured side by side (benchmarks/save/many_tensors.py). It was about 12x before the structure
     cache and the batched copy (issue 25); the bound is generous for a busy machine but far
     below a per-leaf regression."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from many_tensors import stall_over_floor
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    from benchmarks.save.many_tensors import stall_over_floor
     ratio = stall_over_floor(5000, 1024, repeats=5, work=tmp_path)
     assert ratio < 3.0, f"save() stall is {ratio:.2f}x the plain copy at 5,000 small tensors"

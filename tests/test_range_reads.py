@@ -3,7 +3,7 @@ keep every connection busy (`multipart.read_piece_size`, `multipart.RangeReader`
 copied into place in whatever order they arrive, a bounded window fetched ahead, and the
 commit marker and the manifest fetched in one round trip (`catalog.read_marker_and_guess`);
 every byte still checked. Against ``memory://`` (the real fsspec store; each test has a
-root of its own); the network side of it is `benchmarks/restore_network.py`.
+root of its own); the network side of it is `benchmarks/remote/restore_network.py`.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ deleted while it was read (``verify`` or ``ls`` beside a job whose retention pru
 damaged: ``verify`` says ``step N: pruned while it was read`` and counts it neither way (2 if
 every step it was to check went), ``ls`` leaves it out.
 
-``tiercheck bench`` runs the stall benchmark, ``benchmarks/stall.py``, which lives in the
+``tiercheck bench`` runs the stall benchmark, ``benchmarks/stall/stall.py``, which lives in the
 source checkout (it is not part of the installed package): the script is found next to the
-package (``<checkout>/benchmarks/stall.py``, i.e. an editable install or ``python -m
+package (``<checkout>/benchmarks/stall/stall.py``, i.e. an editable install or ``python -m
 tiercheck`` from the checkout), or at the path in ``$TIERCHECK_BENCH_SCRIPT``. Every argument
 after ``bench`` goes to the script (``tiercheck bench --help``).
 """
@@ -45,11 +45,11 @@ BENCH_ENV = "TIERCHECK_BENCH_SCRIPT"
 
 
 def bench_script() -> Path | None:
-    """Where benchmarks/stall.py is: $TIERCHECK_BENCH_SCRIPT, else beside the package's checkout."""
+    """Where benchmarks/stall/stall.py is: $TIERCHECK_BENCH_SCRIPT, else beside the package's checkout."""
     env = os.environ.get(BENCH_ENV)
     if env:
         return Path(env)
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "stall.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "stall" / "stall.py"
     return path if path.is_file() else None
 
 
@@ -57,7 +57,7 @@ def run_bench(argv: Sequence[str]) -> int:
     path = bench_script()
     if path is None or not path.is_file():
         print(
-            "tiercheck bench: benchmarks/stall.py not found. It ships with the source checkout, not the "
+            "tiercheck bench: benchmarks/stall/stall.py not found. It ships with the source checkout, not the "
             f"installed package: run it from a checkout (pip install -e .) or set {BENCH_ENV}=/path/to/stall.py",
             file=sys.stderr,
         )
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verify.add_argument("--step", type=int, default=None, help="default: every committed step")
     sub.add_parser(
         "bench",
-        help="lost training time per save, tiercheck vs torch.save/DCP/... (benchmarks/stall.py; "
+        help="lost training time per save, tiercheck vs torch.save/DCP/... (benchmarks/stall/stall.py; "
         "`tiercheck bench --help`)",
         add_help=False,
     )

@@ -6,7 +6,7 @@ directory's ``.metadata`` (a pickle) is read by an unpickler that only builds DC
 metadata classes, and its pickled values with ``torch.load(weights_only=True)``.
 
 Streamed: the step is written tensor by tensor in 8 MiB chunks, never gathered in memory.
-Peak memory, beyond the chunk (benchmarks/export_memory.py has the measurements):
+Peak memory, beyond the chunk (benchmarks/tools/export_memory.py has the measurements):
 
 - safetensors: nothing more; the structure comes from the header and each tensor's bytes
   are read from the file with ``pread`` as they are written;

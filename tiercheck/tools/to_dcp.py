@@ -90,7 +90,7 @@ def write(node: Node, base: KeyPath, tmp_dir: str, reader: ShardReader) -> tuple
     # file is done (torch 2.13, for its safetensors option), so one file per rank would hold
     # the whole checkpoint. No copy-ahead: with it, DCP's writer (on a machine with CUDA)
     # resolves tensors before the previous ones are written. Measured:
-    # benchmarks/export_memory.py, numbers in docs/cli.md.
+    # benchmarks/tools/export_memory.py, numbers in docs/cli.md.
     writer = FileSystemWriter(
         tmp_dir, single_file_per_rank=False, sync_files=True, thread_count=1, per_thread_copy_ahead=0
     )

@@ -19,8 +19,8 @@ median time from a save's start until it is committed on tier 1.
 
 Usage::
 
-    python benchmarks/trainers.py --quick
-    python benchmarks/trainers.py --params-mib 64 --saves 6 --rounds 3 --json out.json
+    python benchmarks/save/trainers.py --quick
+    python benchmarks/save/trainers.py --params-mib 64 --saves 6 --rounds 3 --json out.json
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import fsync_path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.*` when run as a script
 
 import tiercheck
+from benchmarks.common import fsync_path
 
 MIB = 1 << 20
 WIDTH = 1024

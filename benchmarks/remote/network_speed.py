@@ -1,8 +1,8 @@
 """The remote tier at network speed: upload and restore through a shaped link, side by side
 with fsspec, s3fs and DCP moving the same bytes to the same S3 server.
 
-    python benchmarks/network_speed.py --size-mib 256 --repeats 3 --json out.json
-    python benchmarks/network_speed.py --quick              # 32 MiB, 1 repeat: a smoke run
+    python benchmarks/remote/network_speed.py --size-mib 256 --repeats 3 --json out.json
+    python benchmarks/remote/network_speed.py --quick              # 32 MiB, 1 repeat: a smoke run
 
 SeaweedFS is started on 127.0.0.1, and a shaping proxy (tests/servers/shapingproxy.py, in a
 process of its own) in front of it caps each TCP connection at ``--rate-mbps`` (25 MB/s)
@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 import fsspec  # noqa: E402

@@ -7,8 +7,9 @@ import contextlib
 import os
 
 import torch
-from common import fsync_tree
-from stall_methods import Method, Pending, Unavailable, rm
+
+from benchmarks.common import fsync_tree
+from benchmarks.stall.methods import Method, Pending, Unavailable, rm
 
 
 class TorchSave(Method):

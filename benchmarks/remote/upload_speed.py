@@ -1,8 +1,8 @@
 """Upload speed of the remote tier: tiercheck vs a plain fsspec ``put_file`` of the same
 shard file to the same S3 server (SeaweedFS, started here from tests/servers), side by side.
 
-    python benchmarks/upload_speed.py --size-mib 512 --repeats 5 --json out.json
-    python benchmarks/upload_speed.py --quick
+    python benchmarks/remote/upload_speed.py --size-mib 512 --repeats 5 --json out.json
+    python benchmarks/remote/upload_speed.py --quick
 
 Per repeat, methods in rotated order:
 
@@ -18,7 +18,7 @@ Per repeat, methods in rotated order:
     the s3fs call RemoteTier made before it sent parts in parallel (it still does on stores
     without multipart calls).
 
-Over loopback the server is the limit; ``benchmarks/network_speed.py`` measures the same
+Over loopback the server is the limit; ``benchmarks/remote/network_speed.py`` measures the same
 methods through a shaped link, where parts in flight matter.
 
 And from (a)'s runs: (c) time from calling ``save()`` to ``handle.wait("remote")`` returning
@@ -40,14 +40,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 import fsspec  # noqa: E402
 import torch  # noqa: E402
-from common import drop_file_cache  # noqa: E402
 
 import tiercheck  # noqa: E402
+from benchmarks.common import drop_file_cache  # noqa: E402
 from tests.servers import SeaweedFS  # noqa: E402
 from tiercheck.format import naming  # noqa: E402
 

@@ -1,7 +1,7 @@
 """A model (not a measurement) of tiercheck's multi-rank commit protocol at scale.
 
-    .venv/bin/python benchmarks/scale_sim.py --quick
-    .venv/bin/python benchmarks/scale_sim.py --ranks 8,64,1k,10k,20k --json out.json
+    .venv/bin/python benchmarks/scale/scale_sim.py --quick
+    .venv/bin/python benchmarks/scale/scale_sim.py --ranks 8,64,1k,10k,20k --json out.json
 
 For each world size W it estimates, against an object store and the job's key-value
 store (a torch TCPStore: one server thread, which every rank talks to):
@@ -47,9 +47,9 @@ term grows fastest, not as predictions for a particular cluster or bucket.
 It imports the protocol's constants from tiercheck (so the package must import); `--plot PATH`
 uses matplotlib if installed.
 
-The model lives in four modules beside this one: scale_model.py (assumptions, sizes,
-request counts, queueing), scale_commit.py (the commit simulation, one world size),
-scale_closed.py (restore, rename, replicated keys, saturation), scale_render.py (tables).
+The model lives in four modules beside this one: model.py (assumptions, sizes, request
+counts, queueing), commit.py (the commit simulation, one world size), closed.py (restore,
+rename, replicated keys, saturation), render.py (tables).
 """
 
 from __future__ import annotations
@@ -60,12 +60,15 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from scale_closed import crossing_points
-from scale_commit import run_world
-from scale_model import Assumptions
-from scale_render import plot, render
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.*` when run as a script
+
+from benchmarks.scale.closed import crossing_points
+from benchmarks.scale.commit import run_world
+from benchmarks.scale.model import Assumptions
+from benchmarks.scale.render import plot, render
 
 
 def _parse_ranks(text: str) -> list[int]:

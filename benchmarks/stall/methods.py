@@ -1,6 +1,6 @@
 """The saves the stall benchmark times, part 1: the shared context, the baselines (no save,
 a blocking copy, the naive O_DIRECT writer) and tiercheck. The other libraries' saves are
-in stall_others.py.
+in others.py.
 
 A method's `save(step)` returns a `Pending`: how to wait until the checkpoint is durable,
 what the loop must wait for before its next optimizer step, and how to clean up."""
@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import O_DIRECT, PlainBuffer, write_file
-from stall_workloads import Workload, state_tensors
+
+from benchmarks.common import O_DIRECT, PlainBuffer, write_file
+from benchmarks.stall.workloads import Workload, state_tensors
 
 
 class Unavailable(Exception):

@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import rotated, summary
-from stall_report import METRIC_NAMES, Row, best_dcp_method, compute_targets
-from stall_workloads import now
+from benchmarks.common import rotated, summary
+from benchmarks.stall.report import METRIC_NAMES, Row, best_dcp_method, compute_targets
+from benchmarks.stall.workloads import now
 
 # options a child takes over as they are
 _PASSED = (

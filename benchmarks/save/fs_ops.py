@@ -1,7 +1,7 @@
 """What one background operation on a large file costs a training loop that keeps every core
 busy: a fresh O_DIRECT write, an overwrite in place, an unlink, paced truncates, a CRC.
 
-    python benchmarks/fs_ops.py --size-gib 6 --repeats 2
+    python benchmarks/save/fs_ops.py --size-gib 6 --repeats 2
 
 The loop is 2-thread float32 matmuls (no tiercheck). Per operation, in rotated order: the
 loop's rate is measured for 3 s alone, then the operation runs on a thread while the loop
@@ -36,8 +36,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.*` when run as a script
+
 import torch
-from common import GIB, MIB, O_DIRECT, fs_text, machine_info, rotated, write_file
+
+from benchmarks.common import GIB, MIB, O_DIRECT, fs_text, machine_info, rotated, write_file
 
 OPS = ("idle", "crc", "fresh", "overwrite", "unlink", "truncates")
 _STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")

@@ -1,4 +1,4 @@
-"""Inputs of the multi-rank protocol model (benchmarks/scale_sim.py): the assumptions, the
+"""Inputs of the multi-rank protocol model (benchmarks/scale/scale_sim.py): the assumptions, the
 sizes of what ranks exchange, object-store request counts and the closed-form queueing."""
 
 from __future__ import annotations

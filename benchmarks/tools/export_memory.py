@@ -1,6 +1,6 @@
 """Peak memory of `tiercheck export` / `tiercheck import` on a large checkpoint, per format.
 
-    python benchmarks/export_memory.py --size-gib 2 [--largest-mib 256] [--dir DIR] [--json OUT]
+    python benchmarks/tools/export_memory.py --size-gib 2 [--largest-mib 256] [--dir DIR] [--json OUT]
 
 Builds one tiercheck step of `--size-gib` GiB of float32 tensors (the largest one
 `--largest-mib` MiB, the rest 64 MiB each), then runs each operation in a fresh child

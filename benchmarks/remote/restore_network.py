@@ -1,9 +1,9 @@
 """Fresh-node restore from tier 2 beside hand-written parallel ranged GETs of the same shard,
 through the same shaped link, in one run (issue 23, item 20).
 
-    python benchmarks/restore_network.py             # 64 MiB @ 10 MiB/s x 5, 1 GiB @ 10 MiB/s x 3
-    python benchmarks/restore_network.py --cases 64:10:7
-    python benchmarks/restore_network.py --profile   # plus one traced restore per case
+    python benchmarks/remote/restore_network.py             # 64 MiB @ 10 MiB/s x 5, 1 GiB @ 10 MiB/s x 3
+    python benchmarks/remote/restore_network.py --cases 64:10:7
+    python benchmarks/remote/restore_network.py --profile   # plus one traced restore per case
 
 SeaweedFS on 127.0.0.1; per case a shaping proxy (tests/servers/shapingproxy.py, a process
 of its own) caps each TCP connection at RATE MiB/s and adds ``--rtt-ms`` of round trip. A
@@ -40,14 +40,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 import fsspec  # noqa: E402
 import torch  # noqa: E402
-from common import git_rev  # noqa: E402
 
 import tiercheck  # noqa: E402
+from benchmarks.common import git_rev  # noqa: E402
 from tests.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
 from tiercheck.format import naming  # noqa: E402
 

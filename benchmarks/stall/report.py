@@ -10,8 +10,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from common import GIB, fs_text, summary
-from stall_measure import DCP_METHODS, METHOD_CLASSES, TIERCHECK_METHODS, Bench
+from benchmarks.common import GIB, fs_text, summary
+from benchmarks.stall.measure import DCP_METHODS, METHOD_CLASSES, TIERCHECK_METHODS, Bench
 
 TARGETS = (
     # name, numerator (method, metric), denominator (method or "dcp_best", metric), op, value

@@ -1,6 +1,6 @@
 """Where tiercheck's time to durable goes on a large state, part by part (no training loop).
 
-    python benchmarks/durable_parts.py --size-gib 3 --repeats 4
+    python benchmarks/save/durable_parts.py --size-gib 3 --repeats 4
 
 Per repeat, in rotated order, on the same fp32 state (`--tensors` equal tensors):
 
@@ -30,10 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.*` when run as a script
+
 import torch
-from common import GIB, MIB, PlainBuffer, fsync_path, machine_info, rotated, summary, write_file
 
 import tiercheck
+from benchmarks.common import GIB, MIB, PlainBuffer, fsync_path, machine_info, rotated, summary, write_file
 from tiercheck.format.checksum import checksum_function
 
 now = time.perf_counter

@@ -51,9 +51,9 @@ matplotlib is installed.
 
 Usage::
 
-    python benchmarks/stall.py --quick                       # ~1 minute smoke run
-    python benchmarks/stall.py --size-gib 1 --repeats 7 --out bench_out/stall --img-dir docs/img
-    python benchmarks/stall.py --model transformer --size-gib 1
+    python benchmarks/stall/stall.py --quick                       # ~1 minute smoke run
+    python benchmarks/stall/stall.py --size-gib 1 --repeats 7 --out bench_out/stall --img-dir docs/img
+    python benchmarks/stall/stall.py --model transformer --size-gib 1
     tiercheck bench --quick                                  # same script, from a checkout
 """
 
@@ -70,14 +70,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stall_* modules, also under `tiercheck bench`
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.*`, also for `tiercheck bench`
 
-from common import MIB, machine_info
-from stall_isolate import run_isolated
-from stall_measure import ALL_METHODS, METHOD_CLASSES, Bench, end_child_processes
-from stall_plot import plot
-from stall_report import build_report, naive_writer_table, to_markdown
-from stall_workloads import now
+from benchmarks.common import MIB, machine_info
+from benchmarks.stall.isolate import run_isolated
+from benchmarks.stall.measure import ALL_METHODS, METHOD_CLASSES, Bench, end_child_processes
+from benchmarks.stall.plot import plot
+from benchmarks.stall.report import build_report, naive_writer_table, to_markdown
+from benchmarks.stall.workloads import now
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import rotated
-from stall_methods import (
+
+from benchmarks.common import rotated
+from benchmarks.stall.methods import (
     Ctx,
     Memcpy,
     Method,
@@ -28,8 +29,15 @@ from stall_methods import (
     TiercheckOverlap,
     Unavailable,
 )
-from stall_others import DCPAsyncProcess, DCPAsyncThread, DCPAsyncThreadSync, DCPSave, TorchSave, TorchSnapshot
-from stall_workloads import StepRec, Trainer, build_workload, cpu_now, now
+from benchmarks.stall.others import (
+    DCPAsyncProcess,
+    DCPAsyncThread,
+    DCPAsyncThreadSync,
+    DCPSave,
+    TorchSave,
+    TorchSnapshot,
+)
+from benchmarks.stall.workloads import StepRec, Trainer, build_workload, cpu_now, now
 
 ALL_METHODS = (
     "none",

@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from scale_model import REASONS_KEPT, VERDICT_OK, Assumptions
-
+from benchmarks.scale.model import REASONS_KEPT, VERDICT_OK, Assumptions
 from tiercheck.steps.catalog import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
 
 # ------------------------------------------------------------------- output
@@ -58,7 +57,7 @@ def render(results: list[dict[str, Any]], a: Assumptions, crossings: dict[str, i
     out = [
         "### tiercheck multi-rank protocol: a model, not a measurement",
         "",
-        f"benchmarks/scale_sim.py; median of {seeds} seeded run(s). Assumptions:",
+        f"benchmarks/scale/scale_sim.py; median of {seeds} seeded run(s). Assumptions:",
         "",
         *[f"- {line}" for line in a.describe()],
         "",

@@ -1,4 +1,4 @@
-"""The training loop of the stall benchmark (benchmarks/stall.py): an MLP or a small
+"""The training loop of the stall benchmark (benchmarks/stall/stall.py): an MLP or a small
 decoder-only transformer with Adam on synthetic data, and a trainer that timestamps every
 step (wall and CPU seconds) so that the cost of a save can be read off the steps around it."""
 
@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import GIB
 from torch import nn
+
+from benchmarks.common import GIB
 
 now = time.perf_counter
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import GIB
+from benchmarks.common import GIB
 
 
 def plot(rep: dict[str, Any], img_dir: Path, prefix: str) -> list[str]:

@@ -1,6 +1,6 @@
 """Restore into a live template: time and peak memory of a model + Adam state, per revision.
 
-    python benchmarks/restore_template.py --size-gib 1 --repeats 3 \
+    python benchmarks/restore/restore_template.py --size-gib 1 --repeats 3 \
         --rev new=. --rev old=/path/to/older/checkout
 
 The state is an MLP whose parameters take a third of `--size-gib`, and its Adam optimizer
@@ -87,7 +87,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=".") as directory:
         env0 = dict(os.environ, PYTHONPATH=os.path.abspath(revs[0][1]))
         save = (
-            "import sys, tiercheck; sys.path.insert(0, 'benchmarks'); from restore_template import build;"
+            f"import sys, tiercheck; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            "from restore_template import build;"
             f"m, o = build({args.size_gib});"
             f"c = tiercheck.Checkpointer(local={directory!r}); c.save(1, {{'model': m, 'opt': o}}); c.close()"
         )

@@ -13,8 +13,8 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scale_closed import ratios, rename_model, replicated_model, restore_model
-from scale_model import (
+from benchmarks.scale.closed import ratios, rename_model, replicated_model, restore_model
+from benchmarks.scale.model import (
     MULTI_GET_BATCH,
     SMALL_REPLY,
     VERDICT_OK,
@@ -28,7 +28,6 @@ from scale_model import (
     sample_uploads,
     shard_requests,
 )
-
 from tiercheck.steps.catalog import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
 
 # ------------------------------------------------------------------- discrete-event commit

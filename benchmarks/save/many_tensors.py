@@ -25,8 +25,8 @@ restore (page cache dropped for the files read, where the kernel lets us):
 The machine is shared: numbers are noisy; the ratios, taken within one repeat, are the
 point. Usage::
 
-    python benchmarks/many_tensors.py --counts 100,1000,5000 --repeats 3
-    python benchmarks/many_tensors.py --json out.json --md out.md
+    python benchmarks/save/many_tensors.py --counts 100,1000,5000 --repeats 3
+    python benchmarks/save/many_tensors.py --json out.json --md out.md
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import KIB, MIB, PlainBuffer, drop_tree_cache, machine_info, rotated, summary
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.*` when run as a script
+from benchmarks.common import KIB, MIB, PlainBuffer, drop_tree_cache, machine_info, rotated, summary
 
 SAVE_METHODS = ("floor", "tiercheck", "torch_save", "dcp")
 RESTORE_METHODS = ("plain", "tiercheck", "torch_load")

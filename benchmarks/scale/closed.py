@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from scale_model import (
+from benchmarks.scale.model import (
     LIST_PAGE_KEYS,
     MAX_WORLD,
     MULTI_GET_BATCH,
@@ -23,7 +23,6 @@ from scale_model import (
     shard_requests,
     why_line_bytes,
 )
-
 from tiercheck.steps.catalog import MAX_MARKER_BYTES  # a larger COMMIT is rejected as corrupted
 
 # ------------------------------------------------------------------- restore (closed form)

@@ -25,8 +25,8 @@ and deleted between runs.
 
 Usage::
 
-    python benchmarks/save_stall.py --quick
-    python benchmarks/save_stall.py --size-gib 1.0 --repeats 5 --json out.json
+    python benchmarks/save/save_stall.py --quick
+    python benchmarks/save/save_stall.py --size-gib 1.0 --repeats 5 --json out.json
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.*` when run as a script
+
 import torch
-from common import GIB, KIB, MIB, O_DIRECT, PlainBuffer, machine_info, rotated, summary, write_file
+
+from benchmarks.common import GIB, KIB, MIB, O_DIRECT, PlainBuffer, machine_info, rotated, summary, write_file
 
 WRITE_BLOCK = 1 * MIB
 

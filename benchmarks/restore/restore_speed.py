@@ -1,8 +1,8 @@
 """Restore speed: tiercheck.steps.restore vs a plain preadv of the same bytes into the live tensors
 vs torch.load, side by side, cold page cache where the machine allows dropping it.
 
-    python benchmarks/restore_speed.py --size-gib 1 --repeats 5
-    python benchmarks/restore_speed.py --sizes 1,3,8 --repeats 5 --no-torch-load
+    python benchmarks/restore/restore_speed.py --size-gib 1 --repeats 5
+    python benchmarks/restore/restore_speed.py --sizes 1,3,8 --repeats 5 --no-torch-load
 
 Per repeat, in rotated order: (a) tiercheck restore into the live state (every byte
 checksummed), (b) plain: os.preadv of the shard's bytes straight into the same tensors
@@ -22,14 +22,18 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.*` when run as a script
+
 import torch
-from common import drop_tree_cache
 
 import tiercheck
+from benchmarks.common import drop_tree_cache
 from tiercheck.format import naming
 from tiercheck.steps.catalog import read_manifest
 from tiercheck.tiers.local import LocalTier
