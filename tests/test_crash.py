@@ -1,7 +1,7 @@
 """Crash consistency: SIGKILL a real writer process, then check what it left on every tier.
 
-The campaign itself lives in `scripts/crash_campaign.py` (which runs it for 1000 kills and
-prints the figures); these tests run it CI-sized:
+The campaign itself lives in `tests/crash_campaign.py` (`scripts/crash_campaign.py` runs it
+for 1000 kills and prints the figures); these tests run it CI-sized:
 
 * two tiers (local dir + ``file://`` standing in for an object store), keep_local=2,
   keep_remote=3: kills aimed in turn at staging, tier-1 write, commit, pruning, upload,
@@ -25,41 +25,28 @@ TIERCHECK_CRASH_LOCAL_TRIALS (tier-1-only kills, default 15); seed: TIERCHECK_CR
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 import tiercheck
+from tests import crash_campaign as campaign
+from tests import crash_worker as worker
 from tiercheck.format import naming
 from tiercheck.tiers.local import LocalTier
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "fork") or sys.platform == "win32", reason="needs POSIX fork and SIGKILL"
 )
 
 
-def _load_campaign() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tiercheck_crash_campaign", ROOT / "scripts" / "crash_campaign.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-campaign = _load_campaign()
-worker = campaign.worker
 
 
 def _seed() -> int:
@@ -79,7 +66,7 @@ def _assert_clean(figures: Any, kills: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.procs  # the campaign's workers come from scripts/, out of tests/markers.py's sight
+@pytest.mark.procs  # the workers start in `campaign.Zygote`: a module attribute, which tests/markers.py does not follow
 def test_sigkill_aimed_at_every_phase_of_two_tiers_never_tears_or_loses_a_step(tmp_path: Path) -> None:
     kills = int(os.environ.get("TIERCHECK_CRASH_TRIALS", "50"))
     config = campaign.Config()
