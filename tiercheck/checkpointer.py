@@ -26,7 +26,7 @@ from .errors import (
 from .goodput.runlog import DEFAULT_INTERVAL, RunLog
 from .job.coordination import Group, join_job
 from .job.trigger import SaveTrigger, SigtermState, sigterm_handler
-from .observe.events import logger
+from .observe.events import emit_restore, logger
 from .observe.progress import ProgressCallback
 from .options import REMOTE_RETRY_BUDGET, REMOTE_TIMEOUT, Options, open_tiers
 from .plan.retention import RetentionPolicy
@@ -36,8 +36,9 @@ from .steps.catalog import read_marker
 from .steps.handle import DrainReport, SaveHandle, WaitTimeoutError
 from .steps.parts import PartPlanner
 from .steps.restore import restore_collective, restore_from
-from .steps.stage import HostBufferPool
+from .steps.stage import HostBufferPool, SharedBuffers
 from .tiers.base import Tier
+from .tiers.open import open_memory_tier
 from .tiers.remote import RemoteTier
 
 __all__ = ["Checkpointer"]
@@ -73,7 +74,8 @@ class Checkpointer:
         host_buffers: how many staging buffers (each the size of the state) may exist.
             With 1, a `save()` issued while the previous step is still being written
             waits for it (that wait is counted in the stall); 2 lets it proceed at the cost
-            of twice the host memory.
+            of twice the host memory. Default: 1, or ``keep_memory + 1`` with ``memory=True``
+            (tier 0 keeps its newest step while the next save copies).
         checksum: "crc32c" (default) or "xxh3_64"; both run ~12 GB/s, faster than disks.
         direct_io: write shards with O_DIRECT where the filesystem supports it, so the
             bytes skip the page cache and training keeps its CPU and memory bandwidth.
@@ -144,6 +146,24 @@ class Checkpointer:
             ``Every(steps=500) | Every(seconds=1800)`` (None: only after a preemption signal,
             see `install_sigterm_handler`). In a job, the time-based part follows rank 0's
             clock and every rank saves at the same step.
+        memory: tier 0 (tier name "memory"): the host buffers are files of a shared-memory
+            filesystem, and each step is committed there (manifest, marker last) as soon as
+            its copy is checksummed, with no extra copy and no extra memory. The memory
+            outlives the process, not the node: a restarted process of the same job
+            (`job_id`) restores from it first, every byte verified, then from tier 1 and 2.
+            A filesystem that is missing, too small or full turns tier 0 off with one
+            warning; the other tiers go on. See docs/design.md ("Tier 0").
+        memory_dir: the shared-memory directory (default ``/dev/shm``). Ranks giving the same
+            directory are one node; give ranks that share `local` the same one.
+        job_id: the job's identity, which a restarted process must give again to find its
+            tier 0 (default: torchrun's ``TORCHELASTIC_RUN_ID``, which its restarts keep,
+            else derived from the tier-1 directory, else from the tier-2 location).
+        keep_memory: steps kept on tier 0 (the newest; retention as ``keep_local``).
+        memory_peers: copies of each rank's tier-0 step kept on other nodes (0: none).
+        memory_peer_rate: cap on the bytes/s sent to peers (None: no cap).
+        memory_ttl: seconds after which a Checkpointer's start-up removes the tier-0 files of
+            a job that never came back (no live process holds them); `tiercheck memory clean`
+            does it by hand.
 
     Raises:
         InvalidArgumentError: no tier given, or an invalid option (also a ValueError).
@@ -169,7 +189,7 @@ class Checkpointer:
         keep_local: int | RetentionPolicy | None = 2,
         keep_remote: int | RetentionPolicy | None = None,
         *,
-        host_buffers: int = 1,
+        host_buffers: int | None = None,
         checksum: str = "crc32c",
         direct_io: bool = True,
         fsync: bool = True,
@@ -191,21 +211,43 @@ class Checkpointer:
         coordination_timeout: float = 600.0,
         run_log_interval: float | None = DEFAULT_INTERVAL,
         interval: SavePolicy | None = None,
+        memory: bool = False,
+        memory_dir: str | os.PathLike[str] | None = None,
+        job_id: str | None = None,
+        keep_memory: int = 1,
+        memory_peers: int = 0,
+        memory_peer_rate: float | None = None,
+        memory_ttl: float = 86400.0,
     ) -> None:
         opts = Options.validate(**{k: v for k, v in locals().items() if k != "self"})
         job = opts.job
         self._local, self._remote = open_tiers(opts.tiers, _TIER_DEFAULTS)
         if isinstance(self._remote, RemoteTier):  # before the pipeline can upload anything
             self._remote.sweep_before_upload(job.rank, job.world_size)
-        self._tiers: list[Tier] = [t for t in (self._local, self._remote) if t is not None]
+        mem = opts.memory
+        self._memory = (
+            open_memory_tier(mem.memory_dir, mem.job_id, self._local, self._remote, job.rank, mem.memory_ttl)
+            if mem.memory
+            else None
+        )
+        self._tiers: list[Tier] = [t for t in (self._memory, self._local, self._remote) if t is not None]
         self.rank = job.rank
         self.world_size = job.world_size
         self._lock = threading.RLock()  # save/restore/close are serialised
         self._closed = False
-        self._group = join_job(job, self._local, self._remote)
-        self._pool = HostBufferPool(opts.save.host_buffers)
+        self._group = join_job(job, self._local, self._remote, self._memory)
+        copies = opts.save.host_buffers + mem.memory_peers * mem.keep_memory  # stated: docs/design.md
+        shared = None if self._memory is None else SharedBuffers(self._memory, job.rank, copies)
+        self._pool = HostBufferPool(opts.save.host_buffers, shared)
         self._pipeline = Pipeline(
-            self._local, self._remote, self._pool, self._group, retention=opts.retention, save=opts.save
+            self._local,
+            self._remote,
+            self._pool,
+            self._group,
+            retention=opts.retention,
+            save=opts.save,
+            memory=self._memory,
+            keep_memory=mem.keep_memory,
         )
         self._planner = PartPlanner(job, self._group, has_remote=self._remote is not None)
         self._stager = SaveStager(self._pool, self._pipeline, opts.save, job, [t.name for t in self._tiers])
@@ -219,7 +261,7 @@ class Checkpointer:
         # Runs when the Checkpointer is garbage-collected unclosed, or at interpreter exit
         # (weakref.finalize hooks atexit), so pending saves are drained, not dropped.
         self._finalizer = weakref.finalize(
-            self, _finalize, self._pipeline, self._pool, self._tiers[0].location, self._runlog, self._pid
+            self, _finalize, self._pipeline, self._pool, self._tiers[-1].location, self._runlog, self._pid
         )
 
     # -- context manager -------------------------------------------------------------
@@ -627,6 +669,9 @@ class Checkpointer:
                 return
             self._pipeline.close()
             self._pool.clear()
+            if self._memory is not None and not (sig is not None and sig.received):
+                # A finished job's memory goes; a preempted one keeps it for its restart.
+                self._memory.close_job()
             self._raise_background_errors()
 
     # -- restore ---------------------------------------------------------------------
@@ -698,14 +743,17 @@ class Checkpointer:
                     self.world_size,
                     strict,
                     progress,
+                    memory=self._memory,
                 )
             else:
                 found = restore_from(
                     self._tiers, state, step, self.rank, strict, world_size=self.world_size, progress=progress
                 )
-            self._runlog.restored(None if found is None else found.step, time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self._runlog.restored(None if found is None else found.step, took, None if found is None else found.tier)
             if found is None:
                 return None
+            emit_restore(found.step, found.tier, took)
             self._history.restored(found.step, found.committed)
             return found.step
 

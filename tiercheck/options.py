@@ -21,8 +21,9 @@ from .job.store import from_process_group
 from .plan.placement import normalize_replicated
 from .plan.retention import as_policy
 from .plan.schedule import SavePolicy
-from .plan.settings import JobOptions, RetentionOptions, RunLogOptions, SaveOptions
+from .plan.settings import JobOptions, MemoryOptions, RetentionOptions, RunLogOptions, SaveOptions
 from .tiers.base import Tier
+from .tiers.memory import DEFAULT_MEMORY_DIR
 from .tiers.open import REMOTE_RETRY_BUDGET, REMOTE_TIMEOUT, open_tier, with_timeouts
 from .tiers.retry import RetryPolicy
 
@@ -34,6 +35,7 @@ __all__ = [
     "REMOTE_RETRY_BUDGET",
     "REMOTE_TIMEOUT",
     "JobOptions",
+    "MemoryOptions",
     "Options",
     "RetentionOptions",
     "RunLogOptions",
@@ -77,6 +79,7 @@ class Options:
     job: JobOptions
     save: SaveOptions
     run_log: RunLogOptions
+    memory: MemoryOptions
 
     @classmethod
     def validate(cls, **kwargs: Any) -> Options:
@@ -113,8 +116,10 @@ class Options:
             raise InvalidArgumentError(
                 f"upload_backlog must be one of {BACKLOG_POLICIES}, got {kwargs['upload_backlog']!r}"
             )
+        memory = _memory_fields(kwargs)
         fields = {
             **kwargs,
+            **memory,
             "rank": rank,
             "world_size": world_size,
             "store": store,
@@ -132,7 +137,41 @@ class Options:
             job=group(JobOptions),
             save=group(SaveOptions),
             run_log=RunLogOptions(interval=interval_s),
+            memory=group(MemoryOptions),
         )
+
+
+def _memory_fields(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Tier 0's options checked, and `host_buffers` resolved: by default one more buffer than
+    tier 0 keeps steps with tier 0 on (the newest step stays in memory while the next is
+    copied), else 1."""
+    on = kwargs["memory"]
+    if type(on) is not bool:
+        raise InvalidArgumentError(f"memory must be True or False, got {on!r}")
+    for name in ("keep_memory", "memory_peers"):
+        v = kwargs[name]
+        if type(v) is not int or v < (1 if name == "keep_memory" else 0):
+            raise InvalidArgumentError(f"{name} must be an int >= {1 if name == 'keep_memory' else 0}, got {v!r}")
+    rate = kwargs["memory_peer_rate"]
+    if rate is not None and not (type(rate) in (int, float) and rate > 0 and math.isfinite(rate)):
+        raise InvalidArgumentError(f"memory_peer_rate must be None or bytes/s > 0, got {rate!r}")
+    ttl = kwargs["memory_ttl"]
+    if not (type(ttl) in (int, float) and ttl > 0):
+        raise InvalidArgumentError(f"memory_ttl must be a number of seconds > 0, got {ttl!r}")
+    memory_dir = kwargs["memory_dir"]
+    if memory_dir is None:
+        memory_dir = DEFAULT_MEMORY_DIR
+    if not isinstance(memory_dir, (str, os.PathLike)):
+        raise InvalidArgumentError(f"memory_dir must be a directory path, got {memory_dir!r}")
+    job_id = kwargs["job_id"]
+    if job_id is not None and (type(job_id) is not str or not job_id):
+        raise InvalidArgumentError(f"job_id must be a non-empty str, got {job_id!r}")
+    buffers = kwargs["host_buffers"]
+    if buffers is None:
+        buffers = kwargs["keep_memory"] + 1 if on else 1
+    if type(buffers) is not int or buffers < 1:
+        raise InvalidArgumentError(f"host_buffers must be an int >= 1, got {buffers!r}")
+    return {"memory_dir": os.fspath(memory_dir), "host_buffers": buffers}
 
 
 def job_place(rank: int | None, world_size: int | None, store: Any) -> tuple[int, int, Any]:

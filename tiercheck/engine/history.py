@@ -68,13 +68,13 @@ class StepHistory:
             newest = max(committed[-1:] + in_flight[-1:], default=-1)
         branch_point, self._branch_point = self._branch_point, None
         try:
-            decision = claim(step, newest, committed, branch_point, self._tiers[0].path_of(newest))
+            decision = claim(step, newest, committed, branch_point, self._listed.path_of(newest))
         except StepConflictError:
             self._branch_point = branch_point
             raise
         if isinstance(decision, Proceed):
             return
-        mine = [t for t in self._tiers if self._group.leads(t.name)]  # one rank per directory
+        mine = [t for t in self._tiers if self._leads(t)]  # one rank per directory
         try:
             self._pipeline.delete_branch(decision.stale, mine)
         except TierError:
@@ -93,7 +93,18 @@ class StepHistory:
         if self._seen_at_restore is not None:
             seen, self._seen_at_restore = list(self._seen_at_restore), None
             return seen
-        return self._tiers[0].committed_steps()
+        return self._listed.committed_steps()
+
+    def _leads(self, tier: Tier) -> bool:
+        """Whether this rank deletes on `tier`: its directory's leader, or every rank for its
+        own part (tier 0)."""
+        return self._group.leads(tier.name) or tier.capabilities.rank_parts
+
+    @property
+    def _listed(self) -> Tier:
+        """The fastest tier that keeps every step retention keeps: tier 0 holds only the
+        newest few (and nothing after a node is lost), so it cannot say what was committed."""
+        return next((t for t in self._tiers if not t.capabilities.rank_parts), self._tiers[0])
 
     def delete(self, step: int) -> None:
         """`Checkpointer.delete`: `step` from every tier holding it, one rank per directory.
@@ -110,7 +121,7 @@ class StepHistory:
                 raise StepInFlightError(f"cannot delete step {step}: it is still being written", step=step)
             where = ", ".join(f"{t.name}={t.location}" for t in self._tiers)
             raise NoCheckpointError(f"step {step} is not committed on any tier ({where})")
-        mine = [t for t in holders if self._group.leads(t.name)]
+        mine = [t for t in holders if self._leads(t)]
         self._pipeline.become_writer(self._job.rank, self._job.world_size)  # deleting is writing
         self._pipeline.delete_step(step, mine)
         if self._latest_known == step:

@@ -2,7 +2,9 @@
 
 Two workers, one per tier role, each draining its own queue:
 
-* the writer of the fast tier (tier 1) takes staged saves in order. For each step it
+* the writer of the fast tiers takes staged saves in order. With tier 0 on, it first
+  commits the step there (`tiers.memory`: the host buffer itself becomes the shard, so
+  this costs the checksums, a manifest and the commit), then goes on to tier 1. For each step it
   checksums the host buffer on a helper thread while it writes the shard (`steps.write`),
   commits it (`job.commit`), returns the host buffer to the pool, hands the step to the
   uploader and applies tier-1 retention (`steps.prune`);
@@ -39,6 +41,7 @@ from ..errors import ClosedError, TiercheckError, TierError, UploadSkippedError,
 from ..job.coordination import Membership
 from ..job.trigger import SigtermState
 from ..observe.events import logger
+from ..plan.retention import KeepLast
 from ..plan.settings import RetentionOptions, SaveOptions
 from ..state.flatten import FlatState
 from ..steps.handle import DrainReport
@@ -75,6 +78,7 @@ class Pipeline:
     Args:
         fast: tier 1 (written first, from the host buffer), or None.
         durable: tier 2 (filled from tier 1, or from the buffer without one), or None.
+        memory: tier 0 (committed before tier 1 is written, from the same buffer), or None.
         pool: the host buffers saves are staged into.
         group: this process's place in the job.
         retention: each tier's policy and the upload backlog policy.
@@ -90,14 +94,19 @@ class Pipeline:
         *,
         retention: RetentionOptions,
         save: SaveOptions,
+        memory: Tier | None = None,
+        keep_memory: int = 1,
     ) -> None:
         self.fast = fast
         self.durable = durable
-        self._tiers = [t for t in (fast, durable) if t is not None]
+        self.memory = memory
+        self._tiers = [t for t in (memory, fast, durable) if t is not None]
         self._pool = pool
         self._group = group
         self._checksum_name = save.checksum
         keep = {t.name: k for t, k in ((fast, retention.keep_local), (durable, retention.keep_remote)) if t}
+        if memory is not None:
+            keep[memory.name] = KeepLast(keep_memory)
         self._tracker = Tracker(group, lambda tier: self._pruner.failed(tier))
         self._lock = self._tracker.lock
         self._idle = self._tracker.idle
@@ -121,7 +130,7 @@ class Pipeline:
         init = lower_current_thread if low else None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-checksum", initializer=init)
         self._stager = Worker("tiercheck-stager", self._run_stage, self._idle)
-        self._writer = Worker("tiercheck-writer", self._run_local, self._idle, low) if fast else None
+        self._writer = Worker("tiercheck-writer", self._run_local, self._idle, low) if fast or memory else None
         self._uploads: Uploads | None = None
         if durable is not None:
             self._uploads = Uploads(
@@ -157,9 +166,10 @@ class Pipeline:
         """
         if self._writing:
             return
-        if self.fast is not None and self.fast.capabilities.writer_lock:
-            for path in self.fast.claim_writer(rank, world_size):
-                logger.info("removed leftover %s from an interrupted save or deletion", path)
+        for tier in (self.memory, self.fast):
+            if tier is not None and tier.capabilities.writer_lock:
+                for path in tier.claim_writer(rank, world_size):
+                    logger.info("removed leftover %s from an interrupted save or deletion", path)
         self._writing = True
 
     def start_catch_up(self) -> None:
@@ -262,12 +272,10 @@ class Pipeline:
             self._reclaimer.put(STOP)
             self._reclaimer.thread.join(timeout)
         self._hasher.shutdown(wait=True)
-        if (
-            self.fast is not None
-            and self.fast.capabilities.writer_lock
-            and not (self._writer is not None and self._writer.thread.is_alive())
-        ):
-            self.fast.release_writer()  # never while a write may still be running
+        if not (self._writer is not None and self._writer.thread.is_alive()):
+            for tier in (self.memory, self.fast):  # never while a write may still be running
+                if tier is not None and tier.capabilities.writer_lock:
+                    tier.release_writer()
 
     def wait_closing(self, sig: SigtermState | None) -> bool:
         """Wait until nothing is pending; once a SIGTERM arrived (`sig`), only until its grace
@@ -327,12 +335,21 @@ class Pipeline:
     # -- tier-1 writer ---------------------------------------------------------------
 
     def _run_local(self, item: object) -> None:
-        tier = self.fast
-        assert tier is not None
         if isinstance(item, _Prune):
-            self._report(self._prune_fast())
+            if self.fast is not None:
+                self._report(self._prune_fast())
             return
         assert isinstance(item, StagedSave)
+        if self.memory is not None:
+            try:
+                self._keep_in_memory(self.memory, item)
+            except StagingAborted:
+                return
+        tier = self.fast
+        if tier is None:  # tier 0 and tier 2: the step goes on from the buffer
+            assert self._uploads is not None
+            self._uploads.from_buffer(item)
+            return
         try:
             error = self._write_from_buffer(tier, item, "writing")
         except StagingAborted:
@@ -350,6 +367,20 @@ class Pipeline:
         self._finish(item.step, tier.name, error)
         if error is None:
             self._report(self._prune_fast(item.step))
+
+    def _keep_in_memory(self, tier: Tier, item: StagedSave) -> None:
+        """Commit `item` on tier 0 (its buffer becomes the shard) and apply tier-0 retention.
+        A buffer outside shared memory (tier 0 turned off for want of room: one warning said
+        so) leaves the step off tier 0 without an error. Raises StagingAborted as
+        `_write_from_buffer` does."""
+        if item.buffer.shm is None:
+            why = UploadSkippedError(f"step {item.step} is not kept on tier 0 ({tier.location}): tier 0 is off")
+            self._finish(item.step, tier.name, why)
+            return
+        error = self._write_from_buffer(tier, item, "keeping in memory")
+        self._finish(item.step, tier.name, error)
+        if error is None:
+            self._report(self._pruner.prune(tier, item.step, self.in_flight))
 
     def _write_from_buffer(self, tier: Tier, item: StagedSave, doing: str) -> TierError | None:
         """Write a staged step to `tier`; the caller releases the buffer. If the copy itself
@@ -390,7 +421,7 @@ class Pipeline:
             checksum_algorithm=self._checksum_name,
             group=self._group,
             owners=dict(job.remote_owners) if tier is self.durable else {},
-            owners_agree=not (self._group.node_local and tier is self.fast),
+            owners_agree=not (self._group.node_local and tier is not self.durable),
             reported=lambda: self._tracker.first_report(job.step, tier.name),
         )
         self._pruner.remember_metrics(tier, job.step, job.metrics)

@@ -421,10 +421,13 @@ class RunLog:
         self.flush()
         self._excluded(stats.stall_s + time.perf_counter() - t0)
 
-    def restored(self, step: int | None, seconds: float) -> None:
+    def restored(self, step: int | None, seconds: float, tier: str | None = None) -> None:
         if not self.enabled or self._closed:
             return
-        self._record("restore", t=time.time() - seconds, dur_s=round(seconds, 6), step=step, iter=self._iter_now())
+        fields: dict[str, Any] = {"tier": tier} if tier else {}
+        self._record(
+            "restore", t=time.time() - seconds, dur_s=round(seconds, 6), step=step, iter=self._iter_now(), **fields
+        )
         self._excluded(seconds)
         if self._active:
             self.flush()

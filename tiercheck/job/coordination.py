@@ -208,12 +208,17 @@ def _rank_list(data: bytes) -> tuple[int, ...]:
     return tuple(sorted(int(r) for r in data.decode().split(",") if r))
 
 
-def join_group(store: Any, rank: int, world_size: int, timeout: float, local: Any, remote: Any) -> Group:
+def join_group(
+    store: Any, rank: int, world_size: int, timeout: float, local: Any, remote: Any, memory: Any = None
+) -> Group:
     """Set up this rank's side of the protocol (collective: every rank calls it once per
-    Checkpointer, in the same order): elect one leader per tier-1 directory, learn every
-    leader and the ranks sharing this rank's directory, and wait until all ranks are there."""
+    Checkpointer, in the same order): elect one leader per tier-1 (and tier-0) directory,
+    learn every leader and the ranks sharing this rank's directory, and wait until all ranks
+    are there."""
     coord = Coordinator(store, rank, world_size, instance_prefix(), timeout)
     leader: dict[str, int] = {}
+    if memory is not None:  # tier 0: one directory per node (its memory_dir), like a node-local tier 1
+        leader[memory.name] = coord.elect(memory.name, node_identity(memory.root))
     identity = ""
     if local is not None:
         identity = node_identity(local.root)
@@ -239,8 +244,8 @@ def join_group(store: Any, rank: int, world_size: int, timeout: float, local: An
     return Group(coord, leader, leaders, members, first)
 
 
-def join_job(job: JobOptions, local: Any, remote: Any) -> Membership:
+def join_job(job: JobOptions, local: Any, remote: Any, memory: Any = None) -> Membership:
     """This process's place in the job: `Solo` alone, else `join_group` (collective)."""
     if job.world_size == 1:
         return Solo()
-    return join_group(job.store, job.rank, job.world_size, job.coordination_timeout, local, remote)
+    return join_group(job.store, job.rank, job.world_size, job.coordination_timeout, local, remote, memory)

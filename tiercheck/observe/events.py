@@ -49,6 +49,14 @@ def emit(stats: SaveStats) -> None:
         event_logger.info(stats.to_json())
 
 
+def emit_restore(step: int, tier: str, seconds: float) -> None:
+    """A `restore` event: which step, from which tier (tier 0 after a process restart,
+    tier 1 or 2 otherwise), and how long `restore()` took."""
+    if event_logger.isEnabledFor(logging.INFO):
+        event = {"event": "restore", "step": step, "tier": tier, "seconds": round(seconds, 6)}
+        event_logger.info(json.dumps(event, sort_keys=True))
+
+
 def report_missing_keys(step: int, tier: str, paths: Sequence[str]) -> None:
     """`restore(state, strict=False)` left template keys the checkpoint lacks as they were:
     say which, once, as a warning and a `restore_missing_keys` event."""

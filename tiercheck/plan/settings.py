@@ -12,7 +12,7 @@ from typing import Any
 from .retention import RetentionPolicy
 from .schedule import SavePolicy
 
-__all__ = ["JobOptions", "RetentionOptions", "RunLogOptions", "SaveOptions"]
+__all__ = ["JobOptions", "MemoryOptions", "RetentionOptions", "RunLogOptions", "SaveOptions"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,3 +53,17 @@ class RunLogOptions:
     """The run log (`goodput.runlog`): seconds between flushes, or None for no run log."""
 
     interval: float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryOptions:
+    """Tier 0 (`tiers.memory`): whether the host buffers live in shared memory, where, under
+    which job identity, how many steps it keeps, and the copies sent to other nodes."""
+
+    memory: bool
+    memory_dir: str
+    job_id: str | None
+    keep_memory: int
+    memory_peers: int
+    memory_peer_rate: float | None
+    memory_ttl: float

@@ -66,8 +66,8 @@ class Pruner:
         """Apply the tier's retention: never a step in `protected()` (in flight, or owed to
         the next tier), never the newest committed one. `listed(committed)` sees the listing.
         Returns the error (naming `newest`, the step whose commit ran this pass) or None."""
-        if not self._group.leads(tier.name):
-            return None  # one rank per directory prunes it
+        if not (self._group.leads(tier.name) or tier.capabilities.rank_parts):
+            return None  # one rank per directory prunes it (on tier 0, each rank its own part)
         with self._turns[tier.name]:
             if isinstance(self._keep[tier.name], KeepAll):
                 self._sweep_only(tier, protected)

@@ -778,6 +778,7 @@ class Restored:
     step: int
     value: object
     committed: tuple[int, ...]  # every committed step seen on any tier
+    tier: str = ""  # the tier this rank read it from
 
 
 def restore_from(
@@ -818,7 +819,7 @@ def restore_from(
             try:
                 with reading_committed(tier, s):
                     value = read_step(tier, s, rank, template, strict, world_size, progress)
-                return Restored(s, value, tuple(sorted(holders)))
+                return Restored(s, value, tuple(sorted(holders)), tier.name)
             except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
                 missing_only = missing_only and isinstance(exc, NoCheckpointError)
                 pruned_only = pruned_only and isinstance(exc, StepPrunedError)
@@ -857,20 +858,24 @@ def restore_collective(
     world_size: int,
     strict: bool = True,
     progress: ProgressCallback | None = None,
+    memory: Tier | None = None,
 ) -> Restored | None:
     """`restore_from` for one rank of a job: every rank calls it, and all restore the same
     step, the newest that every rank can read (or exactly `step`).
 
-    Each rank reads its part from its tier 1 when its node has the step there, else from
-    tier 2; a rank whose copy fails verification tries the other tier, and if some rank
-    cannot read a step at all, every rank moves on to the next older candidate.
+    Each rank reads its part from its tier 0 when its node still holds the step in memory,
+    else from its tier 1 when its node has the step there, else from tier 2; a rank whose
+    copy fails verification tries the next tier, and if some rank cannot read a step at all,
+    every rank moves on to the next older candidate.
     """
-    mine: list[int] = []
-    if local is not None:
-        try:
-            mine = local.committed_steps()
-        except OSError as exc:
-            warnings.warn(f"tiercheck: cannot list tier {local.name!r}: {exc!r}", RuntimeWarning, stacklevel=3)
+    held: dict[str, set[int]] = {}
+    for own in (memory, local):
+        if own is not None:
+            try:
+                held[own.name] = set(own.committed_steps())
+            except OSError as exc:
+                warnings.warn(f"tiercheck: cannot list tier {own.name!r}: {exc!r}", RuntimeWarning, stacklevel=3)
+    mine = sorted(set().union(*held.values())) if held else []
 
     def shared() -> list[int]:  # rank 0 only
         if remote is None:
@@ -892,13 +897,14 @@ def restore_collective(
     try:
         for i, s in enumerate(candidates):
             tried = i + 1
-            tiers = [t for t in (local, remote) if t is not None and (t is not local or s in mine)]
+            tiers = [t for t in (memory, local, remote) if t is not None and (t is remote or s in held.get(t.name, ()))]
             produce: Producer | None = None
-            why = ""
+            why = source = ""
             for tier in tiers:
                 try:
                     with reading_committed(tier, s):
                         produce = prepare_step(tier, s, rank, template, strict, world_size, progress)
+                    source = tier.name
                     break
                 except StateMismatchError as exc:  # the template is wrong: no older step helps
                     coord.agree_outcome(i, False, str(exc), fatal=True)
@@ -913,7 +919,7 @@ def restore_collective(
             everyone, first, stop = coord.agree_outcome(i, produce is not None, why)
             if everyone:
                 assert produce is not None
-                return Restored(s, produce(), tuple(sorted(set(mine) | set(candidates))))
+                return Restored(s, produce(), tuple(sorted(set(mine) | set(candidates))), source)
             if stop:
                 raise StateMismatchError(f"restore of step {s} stopped: {first}")
             failures.append(first)

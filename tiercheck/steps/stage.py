@@ -153,7 +153,7 @@ class HostBufferPool:
         with self._cond:
             if not self._cond.wait_for(lambda: self._free or self._count < self._capacity, timeout):
                 raise TimeoutError("no host buffer became free in time")
-            if self._free:
+            if self._free and not self._grow_instead(nbytes, pinned):
                 buf = self._pick(nbytes, pinned)
                 self._free.remove(buf)
                 if self._fits(buf, nbytes, pinned):
@@ -182,6 +182,14 @@ class HostBufferPool:
         if self.shared is not None and self.shared.enabled and nbytes > 0:
             return False  # tier 0 is on: trade a private buffer for a shared one
         return buf.nbytes >= nbytes
+
+    def _grow_instead(self, nbytes: int, pinned: bool) -> bool:
+        """With tier 0 on, a new buffer (while under capacity) rather than overwriting one
+        that holds a committed tier-0 step: the newest step stays in memory while the next
+        is copied."""
+        if self._count >= self._capacity or self.shared is None or not self.shared.enabled:
+            return False
+        return all(_held_step(b) >= 0 for b in self._free if self._fits(b, nbytes, pinned))
 
     def _pick(self, nbytes: int, pinned: bool) -> HostBuffer:
         """A free buffer to reuse or replace: one that fits, holding no tier-0 step or the

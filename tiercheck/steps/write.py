@@ -58,6 +58,9 @@ class StagedSave:
     # Node-local tier 1: who uploads each replicated key to tier 2 (empty: as on tier 1).
     remote_owners: tuple[tuple[Key, int], ...] = ()
     metrics: tuple[tuple[str, Metric], ...] = ()  # recorded in the commit marker
+    # Per checksum algorithm, the leaves' digests once a writer has computed them: tier 0 and
+    # tier 1 write the same buffer, so the second hashes nothing.
+    digests: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
 def write_staged(
@@ -81,7 +84,8 @@ def write_staged(
     if tier.capabilities.space_check:
         tier.check_space(job.step, job.plan.total_bytes)
     checksum = checksum_function(checksum_algorithm)
-    batches = checksum_batches(job)
+    cached = job.digests.get(checksum_algorithm)
+    batches = checksum_batches(job) if cached is None else []
     futures = [hasher.submit(_batch_checksums, job, checksum, batch) for batch in batches]
     writer = tier.open_step(job.step, job.rank, shared=group.shared)
 
@@ -108,10 +112,14 @@ def write_staged(
             stored = writer.write_file(shard, view, job.buffer.aligned, compress=True)
         else:
             stored = write_regions(writer, shard, lambda o, n: view[o : o + n], moved)
-        sums = [""] * len(job.leaves)
-        for batch, f in zip(batches, futures, strict=True):
-            for i, digest in zip(batch, f.result(), strict=True):
-                sums[i] = digest
+        if cached is None:
+            sums = [""] * len(job.leaves)
+            for batch, f in zip(batches, futures, strict=True):
+                for i, digest in zip(batch, f.result(), strict=True):
+                    sums[i] = digest
+            job.digests[checksum_algorithm] = sums
+        else:
+            sums = list(cached)
         doc = manifest_with(with_alias_sums(job.leaves, sums))
         if moved is not None:
             again = retarget(doc, owners)

@@ -60,6 +60,9 @@ class Capabilities:
         deferred_reclaim: `delete_step` hides a step at once and can leave freeing its bytes
             to a background thread (`set_reclaimer`, `reclaim`): unlinking a multi-GB file
             takes seconds on ext4, which must not delay the next step's durability.
+        rank_parts: `delete_step` hides the step (marker first) but removes only the part of
+            the rank this tier object writes, so every rank prunes its own part (tier 0,
+            whose shards are live host buffers of each rank's process), not one leader.
     """
 
     space_check: bool = False
@@ -67,6 +70,7 @@ class Capabilities:
     writer_lock: bool = False
     local_files: bool = False
     deferred_reclaim: bool = False
+    rank_parts: bool = False
 
 
 def _undeclared(tier: Tier, method: str, flag: str) -> NotImplementedError:

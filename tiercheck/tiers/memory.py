@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 from ..format import naming
-from .base import StepWriter
+from .base import Capabilities, StepWriter
 from .local import LocalTier, _LocalStepWriter
 from .lock import WriterLock
 from .owned import O_CLOEXEC, O_NOFOLLOW, close_quietly, sole_regular
@@ -173,7 +173,13 @@ class SharedMemoryTier(LocalTier):
         source: where the id came from, recorded for ``tiercheck memory ls``.
     """
 
-    def __init__(self, memory_dir: str, job_id: str, source: str = "job_id=", *, root: str | None = None) -> None:
+    capabilities = Capabilities(
+        space_check=True, strays=True, writer_lock=True, local_files=True, deferred_reclaim=False, rank_parts=True
+    )
+
+    def __init__(
+        self, memory_dir: str, job_id: str, source: str = "job_id=", *, rank: int = 0, root: str | None = None
+    ) -> None:
         self.memory_dir = os.path.abspath(memory_dir)
         self.job_id = job_id
         self.source = source
@@ -186,7 +192,7 @@ class SharedMemoryTier(LocalTier):
         )
         self.buffers_dir = os.path.join(self.root, BUFFERS_DIR)
         self._buffers: list[ShmBuffer] = []  # this process's buffers, by identity
-        self._rank = 0
+        self._rank = rank
         # Held while a buffer's file changes place: the writer, retention and the pool (a
         # save about to overwrite a buffer) may each move one.
         self.lock = threading.RLock()
@@ -199,7 +205,6 @@ class SharedMemoryTier(LocalTier):
         Raises:
             OSError: ENOSPC when the filesystem cannot hold it (the caller turns tier 0 off).
         """
-        self._rank = rank
         self.write_job_file()
         buf = ShmBuffer(self.buffers_dir, rank, nbytes)
         self._buffers.append(buf)
@@ -233,7 +238,7 @@ class SharedMemoryTier(LocalTier):
         marker = os.path.join(folder, naming.COMMIT_NAME)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(marker)
-        dest = os.path.join(self.buffers_dir, os.path.basename(buf.path))
+        dest = os.path.join(self.buffers_dir, buffer_file_name(self._rank))  # never onto another buffer
         os.makedirs(self.buffers_dir, mode=0o700, exist_ok=True)
         if buf.owns(buf.path):
             os.rename(buf.path, dest)
@@ -242,15 +247,18 @@ class SharedMemoryTier(LocalTier):
         return step
 
     def _drop_own_files(self, folder: str) -> None:
-        """Remove this rank's manifest from an invisible step and the directory once empty."""
+        """Remove this rank's files from an invisible step (the other ranks' files are live
+        buffers of their processes: each rank removes its own), and the directory once empty."""
+        own = f"rank-{self._rank:05d}-"
         with contextlib.suppress(OSError):
             for name in os.listdir(folder):
-                if name.startswith(f"rank-{self._rank:05d}-") and name.endswith(".manifest.json"):
-                    os.unlink(os.path.join(folder, name))
+                path = os.path.join(folder, name)
+                if name.startswith(own) and not any(b.owns(path) for b in self._buffers):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
             os.rmdir(folder)
 
     def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
-        self._rank = rank
         self.write_job_file()
         os.makedirs(self.root, exist_ok=True)
         tmp = os.path.join(self.root, naming.tmp_dir_name(step, rank))
@@ -258,8 +266,9 @@ class SharedMemoryTier(LocalTier):
         return _MemoryStepWriter(self, step, tmp, shared)
 
     def delete_step(self, step: int) -> None:
-        """Marker first; this process's buffers go back to the buffers folder, any other file
-        (an earlier process's shard, a manifest) is removed."""
+        """Marker first; then this rank's part only (capability `rank_parts`): its buffers go
+        back to the buffers folder, its other files (an earlier process's shard, a manifest)
+        are removed; the directory goes with the last rank's part."""
         folder = self.path_of(step)
         try:
             if not stat.S_ISDIR(os.lstat(folder).st_mode):
@@ -273,10 +282,7 @@ class SharedMemoryTier(LocalTier):
             for buf in self._buffers:
                 if os.path.dirname(buf.path) == folder:
                     self._take_back(buf)
-            shutil.rmtree(folder, ignore_errors=True)
-
-    def release_writer(self) -> None:
-        super().release_writer()
+            self._drop_own_files(folder)
 
     # -- the job file and cleaning -----------------------------------------------------
 
@@ -294,10 +300,18 @@ class SharedMemoryTier(LocalTier):
             os.close(fd)
         os.rename(tmp, path)
 
-    def remove_all(self) -> None:
-        """Remove this job's whole tier-0 root (a finished job's `close`). Only names this
-        module makes are removed; the root itself goes once empty."""
-        remove_root(self.root)
+    def close_job(self) -> None:
+        """A finished job's `close` (after its writer stopped): this rank's part of every
+        step goes, and the whole root once no other live process holds a lock there (the
+        last rank out removes it). Only names tier 0 makes are removed."""
+        with self.lock:
+            for step in self.committed_steps() + self.stray_steps():
+                self.delete_step(step)
+            for buf in self._buffers:
+                buf.close(unlink=True)
+            self._buffers = []
+        if not _live(self.root):
+            remove_root(self.root)
 
 
 class _MemoryStepWriter(_LocalStepWriter):
@@ -446,14 +460,19 @@ def list_jobs(memory_dir: str) -> list[MemoryJob]:
 
 
 def clean_jobs(
-    memory_dir: str, older_than: float, *, dry_run: bool = False, now: float | None = None
+    memory_dir: str,
+    older_than: float,
+    *,
+    dry_run: bool = False,
+    now: float | None = None,
+    keep: str | None = None,
 ) -> list[MemoryJob]:
     """Remove the tier-0 roots no live process holds and nothing touched for `older_than`
-    seconds; returns them. A live job's files are never removed."""
+    seconds (but `keep`, the caller's own); returns them. A live job's files are never removed."""
     now = time.time() if now is None else now
     gone = []
     for job in list_jobs(memory_dir):
-        if job.live or now - job.modified < older_than:
+        if job.live or now - job.modified < older_than or job.root == keep:
             continue
         if not dry_run:
             remove_root(job.root)

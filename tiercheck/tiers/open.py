@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..observe.events import logger
 from .base import Tier
 from .local import LocalTier
+from .memory import SharedMemoryTier, check_memory_dir, clean_jobs, job_identity
 from .remote import RemoteTier
 from .retry import RetryPolicy
 
@@ -113,3 +115,24 @@ def open_default_tier(location: str, storage_options: Mapping[str, Any] | None =
         retry=RetryPolicy(budget_s=REMOTE_RETRY_BUDGET),
         op_timeout=REMOTE_TIMEOUT,
     )
+
+
+def open_memory_tier(
+    memory_dir: str, job_id: str | None, local: Tier | None, remote: Tier | None, rank: int, ttl: float
+) -> SharedMemoryTier | None:
+    """Tier 0 of this job on this node (`tiers.memory`), or None with one warning when
+    `memory_dir` cannot hold it. At start-up it removes what jobs that never came back left
+    there, once untouched for `ttl` seconds (never a live job's files, never this job's)."""
+    why = check_memory_dir(memory_dir)
+    if why is not None:
+        logger.warning("tiercheck: tier 0 (memory) is off: %s; saves go on to the other tiers", why)
+        return None
+    local_dir = local.local_dir() if local is not None and local.capabilities.local_files else None
+    ident, source = job_identity(job_id, local_dir, None if remote is None else remote.location)
+    tier = SharedMemoryTier(memory_dir, ident, source, rank=rank)
+    try:
+        for job in clean_jobs(memory_dir, ttl, keep=tier.root):
+            logger.info("tiercheck: removed %s (job %s, untouched for over %.0f s)", job.root, job.job_id, ttl)
+    except OSError as exc:
+        logger.warning("tiercheck: could not clean old tier-0 files in %s: %r", memory_dir, exc)
+    return tier
