@@ -365,3 +365,137 @@ def test_a_corrupted_small_leaf_is_named(tmp_path: Path) -> None:
         pytest.raises(tiercheck.CheckpointCorruptedError, match=r"checksum mismatch for state\['p321'\]"),
     ):
         ckpt.restore(target, step=1)
+
+
+# -- restore (issue 25): manifest entries checked in bulk, runs verified before they land
+
+
+def _manifest_doc(count: int) -> dict[str, Any]:
+    """A manifest of `count` float32 tensors of 3 elements, each at its own 4096 bytes, as JSON."""
+    import json
+
+    from tiercheck.format import naming
+    from tiercheck.format.manifest import Entry, Manifest, ShardFile, encode_manifest
+
+    shard = naming.shard_name(0, 1)
+    entries = tuple(
+        Entry(f"state['p{i}']", "tensor", "float32", (3,), shard, 4096 * i, 12, f"{i:08x}") for i in range(count)
+    )
+    tree = {
+        "t": "dict",
+        "k": [["s", f"p{i}"] for i in range(count)],
+        "v": [{"t": "tensor", "e": i} for i in range(count)],
+    }
+    m = Manifest(1, 0, 1, "crc32c", (ShardFile(shard, 4096 * count),), entries, tree)
+    doc: dict[str, Any] = json.loads(encode_manifest(m))
+    return doc
+
+
+ENTRY_DAMAGE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "not an object": lambda e: e.clear(),
+    "a field missing": lambda e: e.pop("checksum"),
+    "unknown kind": lambda e: e.update(kind="tensors"),
+    "unknown dtype": lambda e: e.update(dtype="float33"),
+    "shape not a list": lambda e: e.update(shape="3"),
+    "negative dimension": lambda e: e.update(shape=[-3]),
+    "bool dimension": lambda e: e.update(shape=[True, 3]),
+    "too many dimensions": lambda e: e.update(shape=[1] * 65),
+    "unlisted file": lambda e: e.update(file="shard-r1-of-2.bin"),
+    "negative offset": lambda e: e.update(offset=-4096),
+    "float offset": lambda e: e.update(offset=4096.0),
+    "huge offset": lambda e: e.update(offset=2**63),
+    "length not the shape's": lambda e: e.update(length=16),
+    "bytes past the file": lambda e: e.update(offset=4096 * 10_000),
+    "numpy scalar with a shape": lambda e: e.update(kind="npscalar", dtype="<f4"),
+    "compressed entry": lambda e: e.update(codec="zstd"),
+    "path not a string": lambda e: e.update(path=5),
+    "checksum in capitals": lambda e: e.update(checksum="ABCD0123"),
+    "empty checksum": lambda e: e.update(checksum=""),
+    "checksum too long": lambda e: e.update(checksum="0" * 65),
+    "checksum not a string": lambda e: e.update(checksum=123),
+}
+
+
+@pytest.mark.parametrize("index", [7, 4321])  # in the first and the second batch of 4096
+@pytest.mark.parametrize("damage", list(ENTRY_DAMAGE))
+def test_bulk_entry_checks_refuse_what_one_by_one_refuses(damage: str, index: int) -> None:
+    """Entries are checked a batch at a time; one bad entry among 5,000 is still refused, by
+    the one-at-a-time check, which names it."""
+    import json
+
+    from tiercheck.format.manifest import decode_manifest
+
+    doc = _manifest_doc(5000)
+    ENTRY_DAMAGE[damage](doc["entries"][index])
+    with pytest.raises(tiercheck.CheckpointCorruptedError, match=rf"entries\[{index}\]"):
+        decode_manifest(json.dumps(doc).encode(), "m")
+
+
+def test_bulk_entry_decoding_equals_one_by_one() -> None:
+    import json
+
+    from tiercheck.format import manifest
+
+    doc = _manifest_doc(5000)
+    raw = json.loads(json.dumps(doc["entries"]))
+    files = {doc["files"][0]["name"]: 4096 * 5000}
+    one_by_one = [manifest._entry(e, i, files, "m") for i, e in enumerate(raw)]
+    got = manifest.decode_manifest(json.dumps(doc).encode(), "m").entries
+    assert list(got) == one_by_one
+    assert got[4321].path == "state['p4321']" and got[4321].offset == 4096 * 4321
+
+
+def test_a_damaged_run_never_reaches_the_template(tmp_path: Path) -> None:
+    """Small entries are read in runs and checked before they are copied: a flipped byte in
+    one leaf leaves every template tensor of its run as it was."""
+    from tiercheck.format import naming
+
+    state = {f"p{i}": torch.full((64,), float(i)) for i in range(500)}
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
+        ckpt.save(1, state).wait()
+    (shard,) = list(tmp_path.rglob(naming.shard_name(0, 1)))
+    with open(shard, "r+b") as f:  # leaf i at i * 4096
+        f.seek(321 * 4096 + 5)
+        byte = f.read(1)
+        f.seek(321 * 4096 + 5)
+        f.write(bytes([byte[0] ^ 0x40]))
+    target = {k: torch.full((64,), -1.0) for k in state}
+    with tiercheck.Checkpointer(local=tmp_path) as ckpt, pytest.raises(tiercheck.CheckpointCorruptedError):
+        ckpt.restore(target, step=1)
+    for k, t in target.items():
+        assert torch.equal(t, torch.full((64,), -1.0)), k
+
+
+def test_small_tensors_of_every_kind_restore_in_place(tmp_path: Path) -> None:
+    """The bulk copy of small runs: parameters, 0-d, inference tensors, bool and half, tensors
+    tied in the checkpoint but not in the template and the other way round, a transposed view
+    (read through the per-leaf path)."""
+    gen = torch.Generator().manual_seed(3)
+    tied = torch.randn(8, generator=gen)
+    state: dict[str, Any] = {f"w{i}": torch.randn(i % 4 + 1, 3, generator=gen) for i in range(300)}
+    state |= {
+        "scalar": torch.tensor(2.5),
+        "flags": torch.tensor([True, False, True]),
+        "a": tied,
+        "b": tied,
+        "half": torch.randn(5).half(),
+    }
+    state |= {"t": torch.randn(3, 4, generator=gen), "c": torch.randn(6, generator=gen), "d": torch.randn(6)}
+    with tiercheck.Checkpointer(local=tmp_path) as ckpt:
+        ckpt.save(1, state).wait()
+        target: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items()}
+        target["w5"] = torch.nn.Parameter(torch.zeros_like(state["w5"]))
+        with torch.inference_mode():
+            target["w6"] = torch.zeros_like(state["w6"])
+        target["t"] = torch.zeros(4, 3).t()  # not contiguous
+        shared = torch.zeros(6)
+        target["c"] = target["d"] = shared  # one tensor in the template, two in the checkpoint
+        kept = {k: v for k, v in target.items() if k not in ("c", "d")}
+        ckpt.restore(target, step=1)
+    for k, v in state.items():
+        got, want = target[k].detach().reshape(-1), v.reshape(-1)
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), k
+    for k, v in kept.items():
+        assert target[k] is v, f"{k} was not filled in place"
+    assert target["c"] is shared or target["d"] is shared
+    assert target["w5"].requires_grad

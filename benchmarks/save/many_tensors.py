@@ -226,6 +226,24 @@ def stall_over_floor(count: int, leaf_bytes: int, repeats: int, work: Path) -> f
     return statistics.median(ratios)
 
 
+def restore_over_plain(count: int, leaf_bytes: int, repeats: int, work: Path) -> float:
+    """Median over `repeats` of restore() into a template of the same structure / a plain
+    read and `copy_` of the same bytes, the two interleaved: the smoke benchmark's check that
+    restore's per-leaf cost did not regress."""
+    root = Path(tempfile.mkdtemp(prefix=f"smoke_restore{count}_", dir=work))
+    saves = Saves(make_state(count, leaf_bytes), root, dcp_max=0)
+    ratios = []
+    try:
+        restores = Restores(saves)
+        for r in range(repeats):
+            got = {m: restores.run(m) for m in rotated(("plain", "tiercheck"), r)}
+            ratios.append(got["tiercheck"] / got["plain"])
+    finally:
+        saves.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return statistics.median(ratios)
+
+
 def ms(s: dict[str, float] | None) -> str:
     return "n/a" if s is None else f"{s['median'] * 1e3:,.1f}"
 

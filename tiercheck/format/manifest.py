@@ -7,10 +7,13 @@ multiple of the bytes it was given (see `decode_manifest`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import json
 import math
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,9 +272,12 @@ def _compacting_hook() -> Callable[[dict[str, Any]], object]:
     }
 
     def node(obj: dict[str, Any], t: object) -> object:
-        if type(t) is not str or t not in _NODE_TYPE_NAMES:
+        name = _NODE_TYPE_NAMES.get(t) if type(t) is str else None
+        if name is None:
             return _UNRECOGNISED
-        obj["t"] = t = _NODE_TYPE_NAMES[t]
+        obj["t"] = t = name
+        if t in _LEAF_NODE_TYPES:  # first: a large state's nodes are mostly leaves
+            return obj if type(obj.get("e")) is int else _UNRECOGNISED
         v, n = obj.get("v"), len(obj)
         if t == "none":
             return shared[("none",)] if n == 1 else obj
@@ -281,8 +287,6 @@ def _compacting_hook() -> Callable[[dict[str, Any]], object]:
             return shared[("bool", v)] if n == 2 else obj
         if t in _VALUE_NODES:
             return obj if type(v) is str else _UNRECOGNISED
-        if t in _LEAF_NODE_TYPES:
-            return obj if type(obj.get("e")) is int else _UNRECOGNISED
         if t in ("list", "tuple"):
             if type(v) is not list:
                 return _UNRECOGNISED
@@ -299,16 +303,23 @@ def _compacting_hook() -> Callable[[dict[str, Any]], object]:
     def hook(obj: dict[str, Any]) -> object:
         if "t" in obj:
             return node(obj, obj["t"])
+        # Entries next, the most numerous objects after nodes. Were this a document or metrics
+        # with an entry's field names, sharing equal strings changes none of its values.
+        if obj.keys() >= _ENTRY_FIELDS:
+            kind, dtype, file, codec = obj["kind"], obj["dtype"], obj["file"], obj.get("codec")
+            if type(kind) is str:
+                obj["kind"] = names.setdefault(kind, kind)
+            if type(dtype) is str:
+                obj["dtype"] = names.setdefault(dtype, dtype)
+            if type(file) is str:
+                obj["file"] = names.setdefault(file, file)
+            if type(codec) is str:
+                obj["codec"] = names.setdefault(codec, codec)
+            return obj
         if "format" in obj and "version" in obj:  # the document itself
             return obj
         if obj and all(type(v) is dict and v.get("t") in _METRIC_NODES for v in obj.values()):
             return obj  # a marker's metrics: name -> int or float node
-        if obj.keys() >= _ENTRY_FIELDS:
-            for field in ("kind", "dtype", "file", "codec"):
-                v = obj.get(field)
-                if type(v) is str:
-                    obj[field] = names.setdefault(v, v)
-            return obj
         if "name" in obj and "length" in obj:  # a shard file, or a marker's manifest reference
             return obj
         return _UNRECOGNISED
@@ -416,6 +427,28 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     Raises:
         CheckpointCorruptedError: anything this format does not allow.
     """
+    with collector_paused():
+        return _decode_manifest(data, where)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: reading a manifest (and binding it, `steps/restore`)
+    allocates a few objects a leaf, enough to set off full collections, each traversing every
+    live object (a model's tensors): a third of the time of a restore of 20,000 tensors into a
+    template of as many (cProfile of benchmarks/many_tensors.py's state, issue 25). What they
+    allocate lives until they return, so a collection meanwhile would free nothing."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _decode_manifest(data: bytes, where: str) -> Manifest:
     doc = _load_json(data, where)
     if doc.get("kind") != "manifest":
         raise _fail(where, "not a manifest")
@@ -438,12 +471,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
             raise _fail(w, f"unsupported codec {codec!r}")
         stored = None if codec == "raw" else _int(f, "stored_length", w)
         shard_files.append(ShardFile(name, files[name], codec, stored))
-    raw_entries = _list(doc, "entries", where)
-    decoded: list[Entry] = []
-    for i, e in enumerate(raw_entries):
-        decoded.append(_entry(e, i, files, where))
-        raw_entries[i] = None  # each JSON object goes once its Entry exists: no peak of both
-    entries = tuple(decoded)
+    entries = _entries(_list(doc, "entries", where), files, where)
     _check_regions(entries, where)
     tree = doc.get("tree")
     if not isinstance(tree, dict) or tree.get("t") != "dict":
@@ -480,6 +508,70 @@ def _replicated_keys(
         if (k[0], k[1]) not in listed or type(r) is not int or not 0 <= r < world or r == rank or len(v) != 2:
             raise _fail(where, f"bad replica node at key {k!r}")
     return tuple(keys)
+
+
+_ENTRY_ORDER = ("path", "kind", "dtype", "shape", "file", "offset", "length", "checksum", "codec")
+_entry_row = operator.itemgetter(*_ENTRY_ORDER)
+_BATCH = 4096  # entries checked at a time: what `_entries` holds beside the parsed JSON
+_HEX = frozenset("0123456789abcdef")
+_MAX_FIELD = 2**63 - 1  # `_int`'s bound
+
+
+def _entries(raw: list[Any], files: dict[str, int], where: str) -> tuple[Entry, ...]:
+    """Every entry, checked a batch at a time by `_entry_batch`; a batch it refuses is decoded
+    entry by entry (`_entry`), which names what is wrong. Each JSON object goes once its
+    Entry exists, so the parse and the entries never peak together."""
+    out: list[Entry] = []
+    for lo in range(0, len(raw), _BATCH):
+        batch = raw[lo : lo + _BATCH]
+        got = _entry_batch(batch, files)
+        out.extend(got if got is not None else (_entry(e, lo + i, files, where) for i, e in enumerate(batch)))
+        raw[lo : lo + _BATCH] = [None] * len(batch)
+        del batch
+    return tuple(out)
+
+
+def _entry_batch(batch: list[Any], files: dict[str, int]) -> list[Entry] | None:
+    """`_entry` of every item of `batch`, each check run over whole columns (C-level loops
+    instead of a dozen Python steps an entry); None when any check fails. It accepts exactly
+    what `_entry` accepts: a manifest's every entry is validated either way."""
+    try:
+        rows = list(map(_entry_row, batch))  # KeyError: a field missing; TypeError: not an object
+    except (KeyError, TypeError):
+        return None
+    if not rows:
+        return []
+    paths, kinds, dtypes, shapes, names, offsets, lengths, checksums, codecs = zip(*rows, strict=True)
+    strs, ints = {str}, {int}
+    if not all(set(map(type, col)) <= strs for col in (paths, kinds, dtypes, names, checksums, codecs)):
+        return None
+    if set(codecs) != {"raw"} or not set(names) <= files.keys():
+        return None
+    sizes: dict[tuple[str, str], int] = {}
+    for kind_dtype in set(zip(kinds, dtypes, strict=True)):
+        size = itemsize(*kind_dtype)
+        if size is None:
+            return None
+        sizes[kind_dtype] = size
+    if not set(map(type, shapes)) <= {list} or max(map(len, shapes)) > MAX_NDIM:
+        return None
+    dims = list(itertools.chain.from_iterable(shapes))
+    if dims and (not set(map(type, dims)) <= ints or min(dims) < 0):
+        return None
+    if "npscalar" in kinds and any(s for k, s in zip(kinds, shapes, strict=True) if k == "npscalar"):
+        return None
+    if not (set(map(type, offsets)) <= ints and set(map(type, lengths)) <= ints):
+        return None
+    if min(offsets) < 0 or max(offsets) > _MAX_FIELD or min(lengths) < 0 or max(lengths) > _MAX_FIELD:
+        return None
+    expected = map(operator.mul, map(math.prod, shapes), map(sizes.__getitem__, zip(kinds, dtypes, strict=True)))
+    if any(map(operator.ne, lengths, expected)):
+        return None
+    if any(map(operator.gt, map(operator.add, offsets, lengths), map(files.__getitem__, names))):
+        return None
+    if min(map(len, checksums)) < 1 or max(map(len, checksums)) > 64 or not set("".join(checksums)) <= _HEX:
+        return None
+    return list(map(Entry, paths, kinds, dtypes, map(tuple, shapes), names, offsets, lengths, checksums, codecs))
 
 
 def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:

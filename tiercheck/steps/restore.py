@@ -19,7 +19,7 @@ import torch
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError, StepPrunedError
 from ..format.checksum import checksum_function, checksum_stream
 from ..format.dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
-from ..format.manifest import Entry, Manifest, decode_key
+from ..format.manifest import Entry, Manifest, collector_paused, decode_key
 from ..format.tree import ROOT, JsonNode, decode_plain, key_path
 from ..job.agreement import RestoreAgreement
 from ..observe.events import report_missing_keys
@@ -39,14 +39,19 @@ from .catalog import (
 
 Producer = Callable[[], object]
 _Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
+_CPU = torch.device("cpu")
 _Memory = tuple[tuple[object, ...], int]  # (identity of a template tensor's memory, its byte span)
 _MISSING = object()
 
 
 @dataclass(slots=True)
 class _Read:
+    """`entry`'s bytes go to `dest`: a writable byte view, or the uint8 view of a contiguous
+    CPU tensor's bytes (`_tensor_bytes`), which runs of small reads fill with one
+    `_foreach_copy_` (`_place_run`)."""
+
     entry: Entry
-    dest: memoryview
+    dest: memoryview | torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +155,20 @@ class _Binder:
 
     def _tensor(self, tmpl: object, e: Entry, path: str, mode: _Mode) -> Producer:
         dtype = TORCH_DTYPES[e.dtype]
-        if isinstance(tmpl, torch.Tensor):
+        if (
+            (type(tmpl) is torch.Tensor or type(tmpl) is torch.nn.Parameter)
+            and tmpl.dtype == dtype
+            and tmpl.shape == e.shape
+            and e.length
+            and tmpl.is_cpu
+            and tmpl.is_contiguous()
+            and not tmpl.is_conj()
+            and not tmpl.is_neg()
+        ):  # the common case in few steps (a state of many small tensors spends its time here)
+            plain = self._lend_plain(tmpl, dtype, e, path)
+            if plain is not None:
+                return plain
+        elif isinstance(tmpl, torch.Tensor):
             if type(tmpl) not in (torch.Tensor, torch.nn.Parameter):
                 local = dtensor_local(tmpl, path)
                 if local is not None:  # a DTensor: its local piece is what this rank saved
@@ -196,12 +214,22 @@ class _Binder:
             return (lambda: tmpl) if known[0] == region else None  # tied on both sides: read once
         self.lent[identity] = (region, path)
         device, low = str(identity[0]), int(identity[1])  # type: ignore[call-overload]
-        if isinstance(tmpl, torch.Tensor):
-            strides = tuple(s * tmpl.element_size() for s in tmpl.stride())
-            lent = _Lent(tmpl, e, path, device, low, low + span, low, strides)
-        else:  # numpy and CPU tensors can share memory (torch.from_numpy): one address space
-            start = int(tmpl.__array_interface__["data"][0])
-            lent = _Lent(tmpl, e, path, "cpu", low, low + span, start, tuple(tmpl.strides))
+        # numpy and CPU tensors can share memory (torch.from_numpy): one address space
+        lent = _Lent(tmpl, e, path, device if isinstance(tmpl, torch.Tensor) else "cpu", low, low + span)
+        self.spans.append(lent)
+        return lent
+
+    def _lend_plain(self, tmpl: torch.Tensor, dtype: torch.dtype, e: Entry, path: str) -> Producer | None:
+        """`_lend` of a contiguous CPU tensor of `e`'s dtype and shape, not a conjugate or
+        negative view (the same identity as `_tensor_memory`'s, so it ties with the others)."""
+        low = tmpl.data_ptr()
+        identity = (_CPU, low, e.shape, tmpl.stride(), dtype)
+        region = (e.file, e.offset, e.length, e.dtype, e.shape)
+        known = self.lent.get(identity)
+        if known is not None:
+            return _returns(tmpl) if known[0] == region else None  # tied on both sides: read once
+        self.lent[identity] = (region, path)
+        lent = _Lent(tmpl, e, path, "cpu", low, low + e.length, plain=True)
         self.spans.append(lent)
         return lent
 
@@ -225,7 +253,13 @@ class _Binder:
 
     def _place(self, group: list[_Lent]) -> None:
         if len(group) == 1:
-            group[0].produce = self._into(group[0].tmpl, group[0].entry)
+            lent = group[0]
+            if lent.plain:  # `_into_tensor`, its checks made by `_lend_plain`
+                assert isinstance(lent.tmpl, torch.Tensor)
+                self.reads.append(_Read(lent.entry, _tensor_bytes(lent.tmpl.detach())))
+                lent.produce = _returns(lent.tmpl)
+            else:
+                lent.produce = self._into(lent.tmpl, lent.entry)
             return
         odd = next((g for g in group if not _plain_memory(g.tmpl)), None)
         if odd is not None:
@@ -243,7 +277,7 @@ class _Binder:
         target = tmpl.detach()
         if target.device.type == "cpu" and target.is_contiguous() and not target.is_conj() and not target.is_neg():
             self._plan_read(e, target)
-            return lambda: tmpl
+            return _returns(tmpl)
         staging = torch.empty(e.shape, dtype=target.dtype)
         self._plan_read(e, staging)
 
@@ -267,11 +301,13 @@ class _Binder:
         return copy_back
 
     def _plan_read(self, e: Entry, t: torch.Tensor) -> None:
-        if e.length:
-            flat = t.reshape(-1).view(torch.uint8)
-            self.reads.append(_Read(e, _bytes_of(flat.numpy())))
-        else:
+        """Read `e` into `t`, a contiguous CPU tensor of `e`'s bytes (not a conjugate or negative view)."""
+        if not e.length:
             self.reads.append(_Read(e, memoryview(b"")))
+        elif type(t) is torch.Tensor:
+            self.reads.append(_Read(e, _tensor_bytes(t)))
+        else:  # a subclass's own torch functions are not called with a list of others' tensors
+            self.reads.append(_Read(e, _bytes_of(_tensor_bytes(t).numpy())))
 
     # -- containers
 
@@ -409,10 +445,15 @@ def _children(node: JsonNode) -> dict[Any, JsonNode]:
 
 def _tensor_memory(t: torch.Tensor) -> _Memory | None:
     """(identity, byte span) of a tensor's memory; None when it holds no bytes."""
-    if t.numel() == 0:
+    numel = t.numel()
+    if numel == 0:
         return None
-    span = (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
-    return (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype), span
+    stride = t.stride()
+    if t.is_contiguous():
+        span = numel * t.element_size()
+    else:
+        span = (sum((n - 1) * st for n, st in zip(t.shape, stride, strict=True)) + 1) * t.element_size()
+    return (t.device, t.data_ptr(), tuple(t.shape), stride, t.dtype), span
 
 
 def _array_memory(a: np.ndarray[Any, Any]) -> _Memory | None:
@@ -430,7 +471,7 @@ class _Lent:
 
     Attributes:
         low, high: the byte span the value's elements lie in.
-        start, strides: the address of element 0 and the strides, in bytes.
+        plain: lent by `_lend_plain`.
     """
 
     tmpl: _Target
@@ -439,8 +480,7 @@ class _Lent:
     device: str
     low: int
     high: int
-    start: int
-    strides: tuple[int, ...]
+    plain: bool = False
     produce: Producer | None = None
 
     def __call__(self) -> object:
@@ -450,9 +490,11 @@ class _Lent:
     def bytes_view(self, scratch: np.ndarray[Any, Any], low: int) -> np.ndarray[Any, Any]:
         """The value's bytes as they would lie in `scratch`, a copy of memory from `low` on:
         shape + (element size,), C order like the checkpoint's bytes."""
-        view: np.ndarray[Any, Any] = np.ndarray(
-            self.byte_shape(), np.uint8, scratch, self.start - low, (*self.strides, 1)
-        )
+        if isinstance(self.tmpl, torch.Tensor):  # torch has no negative strides: element 0 is at `low`
+            start, strides = self.low, tuple(s * self.tmpl.element_size() for s in self.tmpl.stride())
+        else:
+            start, strides = int(self.tmpl.__array_interface__["data"][0]), tuple(self.tmpl.strides)
+        view: np.ndarray[Any, Any] = np.ndarray(self.byte_shape(), np.uint8, scratch, start - low, (*strides, 1))
         return view
 
     def byte_shape(self) -> tuple[int, ...]:
@@ -536,6 +578,11 @@ def _returns(value: object) -> Producer:
     return lambda: value
 
 
+def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor sharing its memory."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def _bytes_of(arr: np.ndarray[Any, Any]) -> memoryview:
     """A writable byte view of a C-contiguous array's memory."""
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
@@ -562,7 +609,8 @@ def read_step(
             is read, except when a stateful object's `load_state_dict` itself rejects the
             checkpoint after its tensors were filled.
     """
-    return prepare_step(tier, step, rank, template, strict, world_size, progress)()
+    with collector_paused():  # until the read's objects are freed too: none is left for a collection
+        return prepare_step(tier, step, rank, template, strict, world_size, progress)()
 
 
 def prepare_step(
@@ -579,6 +627,19 @@ def prepare_step(
 
     `world_size` is the restoring job's: when it differs from the checkpoint's, only the
     replicated top-level keys can be restored, read through rank 0's manifest."""
+    with collector_paused():
+        return _prepare_step(tier, step, rank, template, strict, world_size, progress)
+
+
+def _prepare_step(
+    tier: Tier,
+    step: int,
+    rank: int,
+    template: object,
+    strict: bool,
+    world_size: int | None,
+    progress: ProgressCallback | None,
+) -> Producer:
     marker, guessed = read_marker_and_guess(tier, step, rank, world_size)  # one round trip for both
     resized = world_size is not None and world_size != marker.world_size
     # Resized: any rank's view holds the replicated keys; take the first one this tier has.
@@ -670,8 +731,8 @@ def _read_overlaps_first(
         _read_verified(tier, step, files, binder.reads, algorithm, progress)
         return
     aside = [r for o in binder.overlaps for r in o.reads]
-    first = sum(len(r.dest) for r in aside)
-    total = first + sum(len(r.dest) for r in binder.reads)
+    first = sum(r.entry.length for r in aside)
+    total = first + sum(r.entry.length for r in binder.reads)
     _read_verified(tier, step, files, aside, algorithm, part_of(progress, 0, total))
     for overlap in binder.overlaps:
         overlap.check()
@@ -688,22 +749,25 @@ def _read_verified(
 ) -> None:
     """Read every entry in file order, checksumming on a helper thread chunk by chunk while
     the next chunk is read, so verification costs no time when the disk is the bottleneck.
-    Runs of small entries (`_small_runs`) take one read and one checksum task each."""
+    Runs of small entries (`_small_runs`) take one read and one task each, which checks
+    them and only then copies them to their destinations (`_verify_run`)."""
     pending: list[tuple[Entry, Future[str]]] = []
     batched: list[tuple[list[_Read], Future[list[str]]]] = []
-    total = sum(len(r.dest) for r in reads)
+    total = sum(r.entry.length for r in reads)
     done = 0
     with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-verify") as hasher:
         try:
             large, runs = _small_runs(reads)
             for run in runs:
-                _read_run(files, run)
-                batched.append((run, hasher.submit(_run_digests, algorithm, run)))
+                if len(batched) >= _RUNS_AHEAD:  # each run's buffer lives until its task ran
+                    batched[-_RUNS_AHEAD][1].result()
+                start, buf = _read_run(files, run)
+                batched.append((run, hasher.submit(_verify_run, algorithm, run, start, buf)))
                 if progress is not None:
-                    done += sum(len(r.dest) for r in run)
+                    done += sum(r.entry.length for r in run)
                     progress(done, total)
             for r in large:
-                e, dest = r.entry, r.dest
+                e, dest = r.entry, _writable(r.dest)
                 h = checksum_stream(algorithm)
                 for pos in range(0, len(dest), READ_CHUNK):
                     chunk = dest[pos : pos + READ_CHUNK]
@@ -729,6 +793,7 @@ def _read_verified(
 
 _SMALL_READ = 1 << 20  # entries up to this size are read in runs (`_small_runs`)
 _RUN_BYTES = 8 << 20  # file bytes one run's read spans at most
+_RUNS_AHEAD = 2  # runs read but not yet verified and copied, at most
 
 
 def _small_runs(reads: Sequence[_Read]) -> tuple[list[_Read], list[list[_Read]]]:
@@ -738,14 +803,14 @@ def _small_runs(reads: Sequence[_Read]) -> tuple[list[_Read], list[list[_Read]]]
     large: list[_Read] = []
     runs: list[list[_Read]] = []
     for r in sorted(reads, key=lambda r: (r.entry.file, r.entry.offset)):
-        if len(r.dest) > _SMALL_READ:
+        if r.entry.length > _SMALL_READ:
             large.append(r)
             continue
         run = runs[-1] if runs else None
         if (
             run is None
             or run[0].entry.file != r.entry.file
-            or r.entry.offset + len(r.dest) - run[0].entry.offset > _RUN_BYTES
+            or r.entry.offset + r.entry.length - run[0].entry.offset > _RUN_BYTES
         ):
             runs.append([r])
         else:
@@ -753,21 +818,66 @@ def _small_runs(reads: Sequence[_Read]) -> tuple[list[_Read], list[list[_Read]]]
     return large, runs
 
 
-def _read_run(files: ShardFiles, run: list[_Read]) -> None:
-    """One read of the file span `run` covers, copied out into each read's destination."""
+def _writable(dest: memoryview | torch.Tensor) -> memoryview:
+    return _bytes_of(dest.numpy()) if isinstance(dest, torch.Tensor) else dest
+
+
+def _read_run(files: ShardFiles, run: list[_Read]) -> tuple[int, torch.Tensor]:
+    """One read of the file span `run` covers: its first byte's offset, and the bytes."""
     start = run[0].entry.offset
-    end = max(r.entry.offset + len(r.dest) for r in run)
-    span = memoryview(bytearray(end - start))
-    files.read_into(run[0].entry.file, start, span)
-    for r in run:
-        if len(r.dest):  # an empty entry's destination is a read-only b""
-            lo = r.entry.offset - start
-            r.dest[:] = span[lo : lo + len(r.dest)]
+    end = max(r.entry.offset + r.entry.length for r in run)
+    buf = torch.empty(end - start, dtype=torch.uint8)
+    files.read_into(run[0].entry.file, start, _bytes_of(buf.numpy()))
+    return start, buf
 
 
-def _run_digests(algorithm: str, run: list[_Read]) -> list[str]:
+def _verify_run(algorithm: str, run: list[_Read], start: int, buf: torch.Tensor) -> list[str]:
+    """The digest of each read of `run` in `buf` (the file's bytes from `start`); only when
+    every one matches are the reads copied to their destinations, so a damaged run never
+    reaches the template."""
     digest = checksum_function(algorithm)
-    return [digest(r.dest) for r in run]
+    span = _bytes_of(buf.numpy())
+    got = [digest(span[r.entry.offset - start : r.entry.offset - start + r.entry.length]) for r in run]
+    if got == [r.entry.checksum for r in run]:
+        _place_run(run, start, buf, span)
+    return got
+
+
+def _place_run(run: list[_Read], start: int, buf: torch.Tensor, span: memoryview) -> None:
+    """Copy each read of `run` from `buf`: the tensors in one `_foreach_copy_` from pieces of
+    one `split` (when, as a writer lays them out, the reads follow each other without
+    overlapping), any other destination by a byte copy."""
+    dests: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = []
+    for r in run:
+        lo, n = r.entry.offset - start, r.entry.length
+        if not n:
+            continue
+        if isinstance(r.dest, torch.Tensor):
+            dests.append(r.dest)
+            spans.append((lo, n))
+        else:
+            r.dest[:] = span[lo : lo + n]
+    if not dests:
+        return
+    sizes: list[int] = []
+    keep: list[int] = []
+    pos = 0
+    for lo, n in spans:
+        if lo < pos:  # two reads of one region (tied in the checkpoint, not in the template)
+            srcs = [buf[lo : lo + n] for lo, n in spans]
+            break
+        if lo > pos:
+            sizes.append(lo - pos)
+        keep.append(len(sizes))
+        sizes.append(n)
+        pos = lo + n
+    else:
+        if pos < len(buf):
+            sizes.append(len(buf) - pos)
+        pieces = torch.split(buf, sizes)
+        srcs = [pieces[i] for i in keep]
+    torch._foreach_copy_(dests, srcs)
 
 
 _RELISTS = 3  # how often a step pruned while read makes an automatic restore list the tiers again
