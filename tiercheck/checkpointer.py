@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 from .engine.history import StepHistory
+from .engine.peers import join_peers
 from .engine.pipeline import Pipeline
 from .engine.stager import SaveStager
 from .errors import (
@@ -236,6 +237,11 @@ class Checkpointer:
         self._lock = threading.RLock()  # save/restore/close are serialised
         self._closed = False
         self._group = join_job(job, self._local, self._remote, self._memory)
+        self._peers = (
+            join_peers(self._group, self._memory, mem.memory_peers, mem.keep_memory, mem.memory_peer_rate)
+            if self._memory is not None and mem.memory_peers and isinstance(self._group, Group)
+            else None
+        )
         copies = opts.save.host_buffers + mem.memory_peers * mem.keep_memory  # stated: docs/design.md
         shared = None if self._memory is None else SharedBuffers(self._memory, job.rank, copies)
         self._pool = HostBufferPool(opts.save.host_buffers, shared)
@@ -248,6 +254,7 @@ class Checkpointer:
             save=opts.save,
             memory=self._memory,
             keep_memory=mem.keep_memory,
+            peers=self._peers,
         )
         self._planner = PartPlanner(job, self._group, has_remote=self._remote is not None)
         self._stager = SaveStager(self._pool, self._pipeline, opts.save, job, [t.name for t in self._tiers])
@@ -733,6 +740,8 @@ class Checkpointer:
             t0 = time.perf_counter()
             self._wait()
             if isinstance(self._group, Group):
+                if self._peers is not None:  # a replaced node's ranks get their tier-0 part back first
+                    self._peers.fetch_replicas()
                 found = restore_collective(
                     self._group.coord,
                     self._local,

@@ -49,6 +49,7 @@ from ..steps.prune import Pruner
 from ..steps.stage import HostBufferPool, StagingAborted, stage_into
 from ..steps.write import StagedSave, write_staged
 from ..tiers.base import Tier
+from .peers import PeerCopies
 from .priority import lower_current_thread
 from .tracking import Tracker
 from .uploads import Uploads
@@ -96,10 +97,12 @@ class Pipeline:
         save: SaveOptions,
         memory: Tier | None = None,
         keep_memory: int = 1,
+        peers: PeerCopies | None = None,
     ) -> None:
         self.fast = fast
         self.durable = durable
         self.memory = memory
+        self._peers = peers
         self._tiers = [t for t in (memory, fast, durable) if t is not None]
         self._pool = pool
         self._group = group
@@ -340,20 +343,24 @@ class Pipeline:
                 self._report(self._prune_fast())
             return
         assert isinstance(item, StagedSave)
+        in_memory = False
         if self.memory is not None:
             try:
-                self._keep_in_memory(self.memory, item)
+                in_memory = self._keep_in_memory(self.memory, item)
             except StagingAborted:
+                self._copy_to_peers(item, False)
                 return
         tier = self.fast
         if tier is None:  # tier 0 and tier 2: the step goes on from the buffer
             assert self._uploads is not None
+            self._copy_to_peers(item, in_memory)
             self._uploads.from_buffer(item)
             return
         try:
             error = self._write_from_buffer(tier, item, "writing")
         except StagingAborted:
             return
+        self._copy_to_peers(item, in_memory)  # before the buffer (the shard sent) goes back
         if error is None:
             self._pool.release(item.buffer)
             if self._uploads is not None:
@@ -368,7 +375,13 @@ class Pipeline:
         if error is None:
             self._report(self._prune_fast(item.step))
 
-    def _keep_in_memory(self, tier: Tier, item: StagedSave) -> None:
+    def _copy_to_peers(self, item: StagedSave, in_memory: bool) -> None:
+        """Every rank takes part in every step's exchange, with or without a copy to send."""
+        if self._peers is not None:
+            shard = item.buffer.tensor[: item.plan.total_bytes] if in_memory else None
+            self._peers.replicate(item.step, shard)
+
+    def _keep_in_memory(self, tier: Tier, item: StagedSave) -> bool:
         """Commit `item` on tier 0 (its buffer becomes the shard) and apply tier-0 retention.
         A buffer outside shared memory (tier 0 turned off for want of room: one warning said
         so) leaves the step off tier 0 without an error. Raises StagingAborted as
@@ -376,11 +389,12 @@ class Pipeline:
         if item.buffer.shm is None:
             why = UploadSkippedError(f"step {item.step} is not kept on tier 0 ({tier.location}): tier 0 is off")
             self._finish(item.step, tier.name, why)
-            return
+            return False
         error = self._write_from_buffer(tier, item, "keeping in memory")
         self._finish(item.step, tier.name, error)
         if error is None:
             self._report(self._pruner.prune(tier, item.step, self.in_flight))
+        return error is None
 
     def _write_from_buffer(self, tier: Tier, item: StagedSave, doing: str) -> TierError | None:
         """Write a staged step to `tier`; the caller releases the buffer. If the copy itself

@@ -78,6 +78,8 @@ class StoreClient:
         # Only non-blocking calls are made (get/multi_get only after check() saw the keys),
         # so the store's own timeout never applies and is left as the job set it.
         self._store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
+        self._store_base = base
+        self._store_prefix = prefix
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -117,6 +119,17 @@ class StoreClient:
         for i in range(0, len(keys), 1024):
             out.extend(bytes(v) for v in self._op(functools.partial(_multi_get, keys=list(keys[i : i + 1024]))))
         return out
+
+    def sub_store(self, name: str) -> Any:
+        """A store of its own connection under this Checkpointer's namespace + `name`, for a
+        protocol that drives the store from another thread (the tier-0 peer group)."""
+        import torch.distributed as dist
+
+        try:
+            base = self._store_base.clone()
+        except Exception:
+            base = self._store_base
+        return dist.PrefixStore(f"{self._store_prefix}{name}", base)  # type: ignore[attr-defined]
 
     # -- set-up ------------------------------------------------------------------------
 

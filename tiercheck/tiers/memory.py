@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import mmap
 import os
 import re
@@ -192,7 +193,7 @@ class SharedMemoryTier(LocalTier):
         )
         self.buffers_dir = os.path.join(self.root, BUFFERS_DIR)
         self._buffers: list[ShmBuffer] = []  # this process's buffers, by identity
-        self._rank = rank
+        self.rank = rank
         # Held while a buffer's file changes place: the writer, retention and the pool (a
         # save about to overwrite a buffer) may each move one.
         self.lock = threading.RLock()
@@ -238,7 +239,7 @@ class SharedMemoryTier(LocalTier):
         marker = os.path.join(folder, naming.COMMIT_NAME)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(marker)
-        dest = os.path.join(self.buffers_dir, buffer_file_name(self._rank))  # never onto another buffer
+        dest = os.path.join(self.buffers_dir, buffer_file_name(self.rank))  # never onto another buffer
         os.makedirs(self.buffers_dir, mode=0o700, exist_ok=True)
         if buf.owns(buf.path):
             os.rename(buf.path, dest)
@@ -249,7 +250,7 @@ class SharedMemoryTier(LocalTier):
     def _drop_own_files(self, folder: str) -> None:
         """Remove this rank's files from an invisible step (the other ranks' files are live
         buffers of their processes: each rank removes its own), and the directory once empty."""
-        own = f"rank-{self._rank:05d}-"
+        own = f"rank-{self.rank:05d}-"
         with contextlib.suppress(OSError):
             for name in os.listdir(folder):
                 path = os.path.join(folder, name)
@@ -415,9 +416,14 @@ def _live(root: str) -> bool:
         if not entry.name.startswith(naming.LOCK_PREFIX):
             continue
         rank_text = entry.name[len(naming.LOCK_PREFIX) :]
-        if not rank_text.isdigit():
+        if not (rank_text.isascii() and rank_text.isdigit()):
             continue
-        fd = WriterLock(root).try_lock(int(rank_text))
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue  # a link, FIFO or directory at a lock's name is no process's lock
+            fd = WriterLock(root).try_lock(int(rank_text))
+        except OSError:
+            return True  # cannot tell (permissions): as if live, so never removed
         if fd is None:
             return True
         close_quietly(fd)
@@ -431,7 +437,7 @@ def list_jobs(memory_dir: str) -> list[MemoryJob]:
         if not (_ROOT_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
             continue
         info: dict[str, object] = {}
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, RecursionError):  # a hostile file: no info
             fd = os.open(os.path.join(entry.path, JOB_FILE), os.O_RDONLY | O_NOFOLLOW | os.O_NONBLOCK | O_CLOEXEC)
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
@@ -488,7 +494,14 @@ def _mtime(entry: os.DirEntry[str]) -> float:
 
 
 def _number(value: object) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+    """A time from a job file: a finite number, else 0 (a huge int overflows float())."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    try:
+        x = float(value)
+    except OverflowError:
+        return 0.0
+    return x if math.isfinite(x) else 0.0
 
 
 def space_free(memory_dir: str) -> int:

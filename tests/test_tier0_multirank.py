@@ -1,0 +1,117 @@
+"""Tier 0 across ranks and nodes, with real processes (gloo on CPU). A node is a set of rank
+processes with its own shared-memory and tier-1 directories; losing a node is SIGKILL of
+its processes (the job dies) plus deleting both directories. Copies of each rank's tier-0
+step live on another node (`memory_peers=1`) and come back at restore, verified; without
+them the lost ranks fall back to tier 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiercheck.format import naming
+from tiercheck.plan.peers import peer_load, peer_sources, peer_targets
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = str(Path(__file__).resolve().parent / "tier0_worker.py")
+LAST = 3  # tier0_worker.STEPS - 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(scenario: str, nodes: list[int], root: Path, env: dict[str, str] | None = None) -> list[dict]:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, scenario, str(r), str(len(nodes)), str(port), str(root), ",".join(map(str, nodes))],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(len(nodes))
+    ]
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=300)
+            logs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r}:\n{logs[r]}"
+    return [json.loads((root / f"result-{scenario}-{r}.json").read_text()) for r in range(len(nodes))]
+
+
+def lose_node(root: Path, node: int) -> None:
+    shutil.rmtree(root / f"node{node}")
+
+
+def test_placement_never_puts_a_copy_on_its_own_node():
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c"}
+    targets = peer_targets(nodes, 1)
+    assert all(nodes[t] != nodes[r] for r, ts in targets.items() for t in ts)
+    assert all(len(ts) == 1 for ts in targets.values())
+    two = peer_targets(nodes, 2)
+    assert all(len({nodes[t] for t in ts}) == 2 and nodes[r] not in {nodes[t] for t in ts} for r, ts in two.items())
+    # uneven: node c has one rank, so it receives from both ranks of node b
+    assert peer_load(targets)[4] == 2 and sorted(peer_sources(targets)[4]) == [2, 3]
+    assert peer_targets({0: "a", 1: "a"}, 1) == {0: (), 1: ()}  # one node: no copy anywhere
+
+
+def test_two_ranks_of_one_node_resume_from_memory(tmp_path):
+    saved = run_job("save", [0, 0], tmp_path, {"PEERS": "0"})
+    assert all(s["memory"] == [LAST] for s in saved)
+    got = run_job("restore", [0, 0], tmp_path, {"PEERS": "0"})
+    assert [g["step"] for g in got] == [LAST, LAST]
+    assert all(g["exact"] for g in got)
+    assert [g["tier"] for g in got] == [["memory"], ["memory"]]
+
+
+def test_a_replaced_node_gets_its_part_back_from_its_peers(tmp_path):
+    run_job("save", [0, 0, 1, 1], tmp_path)
+    held = sorted(os.listdir(tmp_path / "node0" / "shm" / "tiercheck-mr" / ".tiercheck-replicas"))
+    assert held == ["rank-00002", "rank-00003"]
+    lose_node(tmp_path, 1)
+    got = run_job("restore", [0, 0, 1, 1], tmp_path)
+    assert [g["step"] for g in got] == [LAST] * 4
+    assert all(g["exact"] for g in got)
+    assert [g["tier"] for g in got] == [["memory"]] * 4
+
+
+def test_a_node_lost_with_its_copies_falls_back_to_tier2(tmp_path):
+    run_job("save", [0, 0, 1, 1], tmp_path)
+    lose_node(tmp_path, 1)
+    shutil.rmtree(tmp_path / "node0" / "shm" / "tiercheck-mr" / ".tiercheck-replicas")
+    got = run_job("restore", [0, 0, 1, 1], tmp_path)
+    assert [g["step"] for g in got] == [LAST] * 4 and all(g["exact"] for g in got)
+    assert [g["tier"] for g in got] == [["memory"], ["memory"], ["remote"], ["remote"]]
+
+
+def test_a_flipped_byte_in_a_copy_is_caught_and_never_returned(tmp_path):
+    run_job("save", [0, 0, 1, 1], tmp_path)
+    lose_node(tmp_path, 1)
+    copy = (
+        tmp_path / "node0" / "shm" / "tiercheck-mr" / ".tiercheck-replicas" / "rank-00002"
+        / naming.step_dir_name(LAST) / naming.shard_name(2, 4)
+    )
+    data = bytearray(copy.read_bytes())
+    data[777] ^= 0x10
+    copy.write_bytes(bytes(data))
+    got = run_job("restore", [0, 0, 1, 1], tmp_path)
+    assert [g["step"] for g in got] == [LAST] * 4 and all(g["exact"] for g in got)
+    assert got[2]["tier"] == ["remote"]  # its fetched copy failed verification: tier 2
+    assert got[3]["tier"] == ["memory"]
