@@ -1,6 +1,7 @@
 """Command line: ``tiercheck ls DIR``, ``tiercheck verify DIR [--step N]``, ``tiercheck --version``,
-``tiercheck bench ...``, ``tiercheck report DIR`` / ``tiercheck plan`` (in `cli_goodput.py`), and the
-checkpoint tools ``inspect``, ``export``, ``import``, ``upload``, ``prune``, ``rm`` (in `tools/cli.py`).
+``tiercheck bench ...``, ``tiercheck report DIR`` / ``tiercheck plan`` (in `cli/goodput.py`), the
+checkpoint tools ``inspect``, ``export``, ``import``, ``upload``, ``prune``, ``rm`` (in `cli/tools.py`), and
+``tiercheck memory ls|clean`` (what jobs left in shared memory, tier 0: `cli/memory.py`).
 
 Exit status: 0 every step checked is intact, 1 a step is damaged, 2 nothing was checked (bad
 usage, a missing location or step, nothing committed there, an unreachable store); such an
@@ -38,6 +39,7 @@ from ..tiers.open import open_tier
 from ..tiers.open import with_timeouts as _with_timeouts
 from ..tiers.retry import RetryPolicy
 from . import goodput as cli_goodput
+from . import memory as memory_cli
 from . import tools as tools_cli
 from .tools import json_object as _json_object
 
@@ -120,9 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     cli_goodput.add_parsers(sub)
     tools_cli.register(sub)
+    memory_cli.register(sub)
     args = ap.parse_args(args_in)
     if args.cmd in tools_cli.COMMANDS:
         return tools_cli.run(args)
+    if args.cmd == memory_cli.COMMAND:
+        return memory_cli.run(args)
     log = logging.getLogger("tiercheck")
     level = log.level
     log.setLevel(logging.ERROR)  # retry warnings would bury the one line an error gets
