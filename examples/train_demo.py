@@ -24,6 +24,8 @@ resumed prints exactly the same ``step N loss X`` lines as an uninterrupted run.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import shutil
 import sys
@@ -80,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remote", default=None, help="tier 2: an fsspec URL (s3://bucket/run)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint for --remote (credentials: AWS_* env)")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="hidden width (the state grows with its square)")
+    p.add_argument(
+        "--memory-dir",
+        default=None,
+        help="tier 0: host buffers as files in this shared-memory directory (e.g. under /dev/shm); a process "
+        "restarted with the same --job-id restores from it first",
+    )
+    p.add_argument("--job-id", default=None, help="the job's identity for tier 0 (default: from the tier-1 path)")
     p.add_argument("--no-stats", action="store_true", help="do not print per-save costs")
     return p.parse_args(argv)
 
@@ -99,10 +108,29 @@ def torch_save_stall(state: dict[str, object], directory: str) -> float:
         os.unlink(path)
 
 
+TIER_NUMBER = {"memory": 0, "local": 1, "remote": 2}
+
+
+class RestoreEvent(logging.Handler):
+    """Keeps the `restore` event tiercheck logs on `tiercheck.events`: which tier, how long."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.event: dict[str, object] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            event = json.loads(record.getMessage())
+        except ValueError:
+            return
+        if event.get("event") == "restore":
+            self.event = event
+
+
 def report(step: int, handle: tiercheck.SaveHandle, torch_save_s: float) -> None:
     """One line per save, once it is durable on every tier."""
     st = handle.stats
-    tiers = ", ".join(f"tier {1 if t == 'local' else 2} ({t}) {st.tier_s[t] * 1e3:.0f} ms" for t in handle.tiers)
+    tiers = ", ".join(f"tier {TIER_NUMBER.get(t, t)} ({t}) {st.tier_s[t] * 1e3:.0f} ms" for t in handle.tiers)
     print(
         f"  save {step}: {st.bytes / 2**20:.1f} MiB, stall {st.stall_s * 1e3:.1f} ms | durable on {tiers} "
         f"| torch.save would stall {torch_save_s * 1e3:.0f} ms",
@@ -140,10 +168,19 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
+    # Tier 0 (--memory-dir): the host buffers saves copy into are files in shared memory; each
+    # step is committed there before tier 1. They outlive the process (not the node), so a
+    # restarted process with the same job id restores from memory first.
+    tier0 = {"memory": True, "memory_dir": args.memory_dir, "job_id": args.job_id} if args.memory_dir else {}
+    events = logging.getLogger("tiercheck.events")
+    restore_event = RestoreEvent()
+    events.addHandler(restore_event)
+    events.setLevel(logging.INFO)
     with tiercheck.Checkpointer(
-        local=args.dir, remote=args.remote, storage_options=options, keep_local=3, keep_remote=3
+        local=args.dir, remote=args.remote, storage_options=options, keep_local=3, keep_remote=3, **tier0
     ) as ckpt:
         restored = ckpt.restore(state)
+        events.removeHandler(restore_event)
         start = 1
         if restored is not None:
             if state["step"] != restored:
@@ -151,8 +188,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_rng_state(state["rng"]["torch"])  # type: ignore[index]
             start = restored + 1
             print(f"resumed from step {restored}", flush=True)
-            if args.remote and restored not in ckpt.steps("local"):
-                print(f"  (not on tier 1 {args.dir}: restored from tier 2 {args.remote})", flush=True)
+            ev = restore_event.event
+            if ev is not None:
+                tier = str(ev["tier"])
+                where = {"memory": args.memory_dir, "local": args.dir, "remote": args.remote}.get(tier)
+                print(
+                    f"  restored from tier {TIER_NUMBER.get(tier, tier)} ({tier}: {where}) "
+                    f"in {float(ev['seconds']) * 1e3:.1f} ms",  # type: ignore[arg-type]
+                    flush=True,
+                )
         pending: list[tuple[int, tiercheck.SaveHandle, float]] = []
         stats_dir = os.path.dirname(os.path.abspath(args.dir))
 
@@ -185,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         for item in pending:
             report(*item)
         where = f"; remote: {ckpt.steps('remote')}" if args.remote else ""
+        if args.memory_dir:
+            where = f"; memory: {ckpt.steps('memory')}" + where
         print(f"done; local checkpoints: {ckpt.steps('local')}{where}", flush=True)
     return 0
 
