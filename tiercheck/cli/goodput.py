@@ -152,7 +152,7 @@ def format_report(report: Report, location: str) -> str:
                 format_duration(r.compute_s),
                 format_duration(r.data_wait_s),
                 format_duration(r.checkpoint_s),
-                format_duration(r.restore_s) if r.restore_s else "-",
+                _restore_cell(r),
                 redo,
                 format_duration(r.gap_before_s) + (" (after failure)" if r.after_failure else ""),
             ]
@@ -184,6 +184,13 @@ def format_report(report: Report, location: str) -> str:
             f"saves: {t.saves}, stall {format_duration(t.mean_stall_s)} each; lost per save "
             f"{format_duration(t.save_cost_s)} (stall + slowdown while writing); durable after: {durable}"
         )
+    if t.restores:
+        each = (
+            f"{int(v['count'])} from {'an unnamed tier (a log older than tier 0)' if k == '?' else k} "
+            f"{format_duration(v['mean_s'])}"
+            for k, v in t.restores.items()
+        )
+        lines.append("restores, mean time each: " + "; ".join(each))
     errors = sum(r.errors for r in report.runs)
     if errors:
         lines.append(f"errors: {errors} failed step writes (see the `durable`/`error` records)")
@@ -195,6 +202,14 @@ def format_report(report: Report, location: str) -> str:
     lines += [f"skipped file {f}" for f in report.skipped_files]
     lines += [f"! {f}" for f in report.flags]
     return "\n".join(lines)
+
+
+def _restore_cell(r: goodput.RunSummary) -> str:
+    """``12.3 ms (memory)``: the restore's time and the tier it read (none named in a log
+    older than tier 0, or when there was no step to restore)."""
+    if not r.restore_s and r.restored_step is None:
+        return "-"
+    return format_duration(r.restore_s) + (f" ({r.restored_tier})" if r.restored_tier else "")
 
 
 def plot_report(report: Report, path: str) -> None:

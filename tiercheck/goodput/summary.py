@@ -10,7 +10,8 @@ start, or a restart) and a `Totals`:
   `save`/`restore`/`wait`/`drain` calls made there;
 * data wait: time spent in the loader's ``next()``;
 * checkpoint: the stall of every `save()` plus the time blocked in `wait`/`drain`/`close`;
-* restore: the time `restore()` took;
+* restore: the time `restore()` took, and the tier it read (``memory``, ``local``,
+  ``remote``; None in logs older than tier 0);
 * redo: work the run repeated because the run before it got further than the restored
   step: (furthest step reached - restored step) x that run's step time (compute plus data
   wait per step). Steps are counted from the loop's iterations, anchored to the steps of
@@ -241,6 +242,7 @@ class RunSummary:
     save_cost_s: float | None  # lost per save: stall + the loop's slowdown while it was written
     durable_s: dict[str, float]  # per tier, mean seconds from save() to durable there
     restored_step: int | None
+    restored_tier: str | None  # the tier the restore read; None: no step, or a log older than tier 0
     furthest_step: int | None
     step_time_s: float | None
     errors: int
@@ -275,6 +277,7 @@ class Totals:
     save_cost_s: float | None
     blocking_cost_s: float | None  # what a save would have stalled had it blocked until durable
     durable_s: dict[str, float]
+    restores: dict[str, dict[str, float]]  # per tier read ("?": a log older than tier 0): count, mean_s
     data_wait_exceeds_checkpoint: bool
     bar: dict[str, float]
 
@@ -331,6 +334,7 @@ class _Session:
     restore_s: float = 0.0
     restored: bool = False
     restored_step: int | None = None
+    restored_tier: str | None = None
     # What the records say, kept in memory that does not grow with the log: only the
     # extremes of the anchors and save times are ever used, sums for the durable times, and
     # the timeline's windows and intervals are merged pairwise past `MAX_SPANS`.
@@ -467,6 +471,14 @@ def _int(v: object) -> int | None:
     return v if type(v) is int and 0 <= v <= MAX_INT else None
 
 
+def _tier_name(v: object) -> bool:
+    """Whether `v` is a tier's name as a record holds it: a short plain word."""
+    return isinstance(v, str) and _TIER_RE.fullmatch(v) is not None
+
+
+_TIER_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}", re.ASCII)
+
+
 def _opt_step(v: object) -> tuple[bool, int | None]:
     """(valid, step) for a field that holds a step or None."""
     return (True, None) if v is None else (_int(v) is not None, _int(v))
@@ -503,11 +515,13 @@ def _apply(s: _Session, r: Mapping[str, Any]) -> bool:
     elif kind == "restore":
         dur, it = _num(r.get("dur_s")), _int(r.get("iter"))
         ok, step = _opt_step(r.get("step"))
-        if dur is None or it is None or not ok:
+        tier = r.get("tier")
+        if dur is None or it is None or not ok or not (tier is None or _tier_name(tier)):
             return False
         s.restore_s += dur
         s.restored = True
         s.restored_step = step
+        s.restored_tier = tier if step is not None else None
         if step is not None:
             s.anchor(step, it)
         s.add_interval(t, t + dur, "restore")
@@ -694,6 +708,7 @@ def summarise(records: Iterable[Mapping[str, Any]], rank: int | None = None) -> 
                 save_cost_s=s.save_cost(),
                 durable_s={k: total / n for k, (total, n) in sorted(s.durable.items())},
                 restored_step=s.restored_step,
+                restored_tier=s.restored_tier,
                 furthest_step=s.furthest_step(),
                 step_time_s=s.step_time(),
                 errors=s.errors(),
@@ -734,6 +749,12 @@ def _totals(runs: list[RunSummary], sessions: list[_Session], redo_parts: list[t
             total, count = durable.get(k, (0.0, 0))
             durable[k] = (total + x, count + n)
     durable_mean = {k: total / n for k, (total, n) in sorted(durable.items())}
+    restores: dict[str, dict[str, float]] = {}
+    for r in runs:
+        if r.restored_step is not None:
+            t = restores.setdefault(r.restored_tier or "?", {"count": 0, "mean_s": 0.0})
+            t["mean_s"] = (t["mean_s"] * t["count"] + r.restore_s) / (t["count"] + 1)
+            t["count"] += 1
     first_tier = "local" if "local" in durable_mean else next(iter(durable_mean), None)
     costs = [(r.save_cost_s or 0.0) * r.saves for r in runs if r.saves]
     bar = {
@@ -764,6 +785,7 @@ def _totals(runs: list[RunSummary], sessions: list[_Session], redo_parts: list[t
         save_cost_s=sum(costs) / saves if saves else None,
         blocking_cost_s=durable_mean.get(first_tier) if first_tier is not None else None,
         durable_s=durable_mean,
+        restores=dict(sorted(restores.items())),
         data_wait_exceeds_checkpoint=wait > ckpt_cost and wait > 0,
         bar=bar,
     )
