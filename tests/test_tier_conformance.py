@@ -24,7 +24,7 @@ import fsspec
 import pytest
 
 from tiercheck.testing.conformance import CHECKS, NotApplicable, TierCase, check_tier
-from tiercheck.testing.memtier import MemoryStore, MemoryTier
+from tiercheck.testing.dicttier import DictStore, DictTier
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.remote import RemoteTier
 
@@ -112,15 +112,15 @@ def gcs_case(gcs_server: Any, request: pytest.FixtureRequest) -> TierCase:
 
 
 @pytest.fixture
-def memtier_case() -> TierCase:
-    """The dict-backed tier of `tiercheck.testing.memtier`, passed to Checkpointer as an object."""
-    store = MemoryStore()
-    return TierCase(make_tier=lambda: MemoryTier(store), put_raw=store.put, role="remote", kind="memtier")
+def dicttier_case() -> TierCase:
+    """The dict-backed tier of `tiercheck.testing.dicttier`, passed to Checkpointer as an object."""
+    store = DictStore()
+    return TierCase(make_tier=lambda: DictTier(store), put_raw=store.put, role="remote", kind="dicttier")
 
 
 TIER_CASES = [
     "local_dir_case",
-    "memtier_case",
+    "dicttier_case",
     "file_url_case",
     "memory_url_case",
     "seaweedfs_case",
@@ -146,8 +146,8 @@ def test_conformance(check: Callable[[TierCase, Path], None], case: TierCase, tm
 
 def test_check_tier_runs_every_check_without_pytest(tmp_path: Path) -> None:
     def new_case() -> TierCase:
-        store = MemoryStore()
-        return TierCase(make_tier=lambda: MemoryTier(store), put_raw=store.put)
+        store = DictStore()
+        return TierCase(make_tier=lambda: DictTier(store), put_raw=store.put)
 
     skipped = check_tier(new_case, tmp_path)
     assert set(skipped) == {"check_compressed_round_trip"}

@@ -3,16 +3,16 @@
 * `conformance`: the checks every `Tier` must pass (`check_tier`, or one by one).
 * `faulty`: `FaultyTier`, which wraps any tier and makes chosen operations fail, stall
   or block, for fault-injection tests that run the library's real code.
-* `memtier`: `MemoryTier`, a complete dict-backed tier in one file: the example to copy.
+* `dicttier`: `DictTier`, a complete dict-backed tier in one file: the example to copy.
 
 None of these imports pytest; they raise `AssertionError` on a failed check.
 """
 
 from __future__ import annotations
 
+from .dicttier import DictStore, DictTier
 from .faulty import Call, Faults, FaultyTier
-from .memtier import MemoryStore, MemoryTier
 
 FLOOR = 10
 
-__all__ = ["Call", "Faults", "FaultyTier", "MemoryStore", "MemoryTier"]
+__all__ = ["Call", "DictStore", "DictTier", "Faults", "FaultyTier"]

@@ -30,7 +30,7 @@ and the base class raises `NotImplementedError` for a capability the tier does n
 
 A new tier subclasses `Tier` and `StepWriter` in one module, declares its capabilities,
 and passes the conformance suite `tiercheck.testing.conformance` (see docs/design.md,
-"Tiers"); `tiercheck.testing.memtier` is a complete example in one file.
+"Tiers"); `tiercheck.testing.dicttier` is a complete example in one file.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """A tier held in a dict: the whole `Tier` contract in one file, without fsspec.
 
 It is the worked example of a third tier (docs/design.md, "Tiers") and a fast store for
-tests. Files live in a `MemoryStore` (path relative to the root -> bytes) that several
-`MemoryTier` objects may share, as processes share a bucket. Like an object store it writes
+tests. Files live in a `DictStore` (path relative to the root -> bytes) that several
+`DictTier` objects may share, as processes share a bucket. Like an object store it writes
 files in place under the step's name and the marker last, so a cut step is data without a
 marker (`stray_steps`), never a listed step. Everything is lost when the store is.
 
 Example:
-    >>> store = MemoryStore()
-    >>> ckpt = tiercheck.Checkpointer(remote=MemoryTier(store))      # doctest: +SKIP
-    >>> tiercheck.load(MemoryTier(store))                            # doctest: +SKIP
+    >>> store = DictStore()
+    >>> ckpt = tiercheck.Checkpointer(remote=DictTier(store))      # doctest: +SKIP
+    >>> tiercheck.load(DictTier(store))                            # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..tiers.base import Capabilities, ReadableFile, StepWriter, Tier
 _ids = itertools.count()
 
 
-class MemoryStore:
+class DictStore:
     """The bytes of one memory tier root: relative path -> bytes, under a lock."""
 
     def __init__(self, label: str | None = None) -> None:
@@ -53,8 +53,8 @@ class MemoryStore:
             return [rel for rel in self.files if rel.startswith(prefix)]
 
 
-class MemoryTier(Tier):
-    """A tier on a `MemoryStore` (a fresh one if none is given).
+class DictTier(Tier):
+    """A tier on a `DictStore` (a fresh one if none is given).
 
     Args:
         store: where the files live; share it between tiers to see the same steps.
@@ -63,8 +63,8 @@ class MemoryTier(Tier):
 
     capabilities = Capabilities(strays=True)
 
-    def __init__(self, store: MemoryStore | None = None, *, name: str = "remote") -> None:
-        self.store = store if store is not None else MemoryStore()
+    def __init__(self, store: DictStore | None = None, *, name: str = "remote") -> None:
+        self.store = store if store is not None else DictStore()
         self.name = name
         self.location = f"mem://{self.store.label}"
 
@@ -119,7 +119,7 @@ class MemoryTier(Tier):
 
 
 class _MemoryStepWriter(StepWriter):
-    def __init__(self, tier: MemoryTier, step: int) -> None:
+    def __init__(self, tier: DictTier, step: int) -> None:
         self._tier = tier
         self._step = step
         self._written: list[str] = []
