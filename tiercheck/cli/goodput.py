@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..goodput import summary as goodput
+from ..goodput.recovery import DLROVER_SHARE, Tier0Plan, tier0_plan
 from ..goodput.runlog import RunLogFiles, no_log_message
 from ..goodput.summary import CATEGORIES, Report, format_duration, parse_duration
 
@@ -60,6 +62,24 @@ def add_parsers(sub: Any) -> None:
     plan.add_argument("--cost", help="seconds of training one save costs (default: measured in LOCATION)")
     plan.add_argument("--restart", help="time from a failure until training runs again (default: measured, or 0)")
     plan.add_argument("--blocking-cost", help="a blocking save's cost, to compare (default: measured durable time)")
+    plan.add_argument(
+        "--memory-restart",
+        metavar="DURATION",
+        help="with tier 0: time from a failure until training runs again when the node's memory holds the "
+        "step (relaunch + restore from memory; default: measured in LOCATION's restores from memory)",
+    )
+    plan.add_argument(
+        "--memory-share",
+        metavar="FRACTION",
+        help="with tier 0: the fraction of failures that leave the node up and restart from its memory, "
+        f"0.75 or 75%% (default {DLROVER_SHARE:g}: DLRover's share of faults recovered on the same node)",
+    )
+    plan.add_argument(
+        "--durable-after",
+        metavar="DURATION",
+        help="with tier 0: time from save() until durable on tiers 1-2, how far behind their snapshot is "
+        "(default: measured on tier 1 in LOCATION, or 0)",
+    )
     plan.add_argument("--rank", type=int, default=None, help="whose run log (default: the lowest rank)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(run=run_plan)
@@ -270,6 +290,10 @@ def run_plan(args: argparse.Namespace) -> int:
     cost = _duration("--cost", args.cost)
     restart = _duration("--restart", args.restart, positive=False)
     blocking = _duration("--blocking-cost", args.blocking_cost)
+    memory_restart = _duration("--memory-restart", args.memory_restart, positive=False)
+    durable_after = _duration("--durable-after", args.durable_after, positive=False)
+    share = _share(args.memory_share)
+    tier0 = share is not None or memory_restart is not None
     durable: dict[str, float] = {}
     source = "--cost"
     if args.location is not None:
@@ -282,15 +306,39 @@ def run_plan(args: argparse.Namespace) -> int:
             cost, source = max(t.save_cost_s, 1e-6), "run log"
         if blocking is None and t.blocking_cost_s is not None:
             blocking = t.blocking_cost_s
+        after = [r for r in report.runs if r.after_failure]
+        from_memory = [r for r in after if r.restored_tier == "memory"]
         if restart is None:
-            after = [r for r in report.runs if r.after_failure]
-            restart = sum((r.gap_before_s or 0.0) + r.restore_s for r in after) / len(after) if after else 0.0
+            # Restarts from tiers 1-2 when tier 0 is asked about and the log has both kinds.
+            durable_runs = [r for r in after if r.restored_tier != "memory"] if tier0 else after
+            restart = _mean_restart(durable_runs or after)
+        if tier0 and memory_restart is None and from_memory:
+            memory_restart = _mean_restart(from_memory)
+        if durable_after is None and durable:
+            durable_after = durable.get("local", next(iter(durable.values())))
     if cost is None:
         raise UsageError("give --cost (e.g. --cost 30s) or a checkpoint directory whose run log has saves")
     restart = restart or 0.0
+    if tier0 and memory_restart is None:
+        raise UsageError(
+            "give --memory-restart (e.g. 30s: relaunch + restore from memory), or a checkpoint directory "
+            "whose run log has a restore from tier 0"
+        )
     try:
         mine = goodput.plan(cost, mtbf, restart)
         theirs = goodput.plan(blocking, mtbf, restart) if blocking is not None else None
+        with_memory = (
+            tier0_plan(
+                cost,
+                mtbf,
+                restart,
+                memory_restart or 0.0,
+                DLROVER_SHARE if share is None else share,
+                durable_after or 0.0,
+            )
+            if tier0
+            else None
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
@@ -313,6 +361,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 "daly_interval_s": theirs.daly_interval_s,
                 "lost_fraction": theirs.lost_fraction,
             }
+        if with_memory is not None:
+            out["tier0"] = dataclasses.asdict(with_memory)
         print(json.dumps(out, indent=1))
         return 0
     print(
@@ -336,6 +386,8 @@ def run_plan(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if with_memory is not None:
+        print(format_tier0(with_memory))
     # The host buffer is free again once tier 1 has the step: a save sooner than that waits.
     first = durable.get("local", next(iter(durable.values()), 0.0))
     if first > mine.daly_interval_s:
@@ -344,3 +396,51 @@ def run_plan(args: argparse.Namespace) -> int:
             f"interval: saves would queue behind each other; save at most every {format_duration(first)}"
         )
     return 0
+
+
+def _share(text: str | None) -> float | None:
+    """``--memory-share``: a fraction in [0, 1], or a percentage (``75%``)."""
+    if text is None:
+        return None
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100.0 if t.endswith("%") else float(t)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise UsageError(f"--memory-share: give a fraction from 0 to 1 or a percentage (0.75, 75%), got {text!r}")
+    return value
+
+
+def _mean_restart(runs: Sequence[goodput.RunSummary]) -> float:
+    """The mean time from a run's failure until the next trains: the gap plus the restore."""
+    return sum((r.gap_before_s or 0.0) + r.restore_s for r in runs) / len(runs) if runs else 0.0
+
+
+def format_tier0(p: Tier0Plan) -> str:
+    """The tier-0 comparison of ``tiercheck plan``: both rows at the same interval."""
+    lines = [
+        f"with tier 0: {p.memory_share:.0%} of failures restart from memory in {format_duration(p.memory_restart_s)} "
+        f"(the newest save), the other {1 - p.memory_share:.0%} from tiers 1-2 in {format_duration(p.restart_s)} "
+        f"(durable {format_duration(p.durable_after_s)} after a save)"
+    ]
+    rows = [
+        ["", "interval", "restart (effective)", "time lost"],
+        [
+            "tiers 1-2 only",
+            format_duration(p.interval_s),
+            format_duration(p.durable_restart_effective_s),
+            f"{p.durable_lost_fraction:.2%}",
+        ],
+        [
+            "with tier 0",
+            format_duration(p.interval_s),
+            format_duration(p.restart_effective_s),
+            f"{p.lost_fraction:.2%}",
+        ],
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    saved = p.durable_lost_fraction - p.lost_fraction
+    lines.append(f"tier 0 saves {saved:.2%} of the time: {format_duration(saved * 3600)} per GPU-hour")
+    return "\n".join(lines)
