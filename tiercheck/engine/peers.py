@@ -33,6 +33,7 @@ from ..job.peers import Incoming, Outgoing, PeerLink, PeerLinkError
 from ..observe.events import logger
 from ..plan.peers import peer_sources, peer_targets
 from ..plan.retention import KeepLast, plan_deletions
+from ..steps.write import commit_received
 from ..tiers.memory import SharedMemoryTier, ShmBuffer, node_identity, replica_root
 from ..tiers.throttle import RateLimiter
 
@@ -230,8 +231,7 @@ def _commit_copy(
     try:
         writer.write_file(naming.shard_name(owner, world), memoryview(buf.map), aligned=True)
         writer.write_file(naming.manifest_name(owner, world), memoryview(manifest))
-        writer.publish_part()
-        tier.write_marker(step, marker)
+        commit_received(tier, writer, step, marker)
     except BaseException:
         writer.abort()
         tier.forget_buffer(buf)

@@ -32,6 +32,7 @@ __all__ = [
     "REGION_BLOCK",
     "StagedSave",
     "commit_parts",
+    "commit_received",
     "write_manifest",
     "write_part",
     "write_regions",
@@ -190,6 +191,14 @@ def commit_parts(tier: Tier, parts: Sequence[tuple[StepWriter, ManifestRef]], ma
     for writer, _ in parts:
         writer.publish_part()
     tier.write_marker(marker.step, encode_marker(dataclasses.replace(marker, manifests=tuple(r for _, r in parts))))
+
+
+def commit_received(tier: Tier, writer: StepWriter, step: int, marker: bytes) -> None:
+    """Commit a part received whole from another node (a tier-0 copy, or one sent back at
+    restore): its files are written; the step's marker goes in as the bytes that came, since
+    it lists every rank's manifest (a reader verifies it, then the manifest against it)."""
+    writer.publish_part()
+    tier.write_marker(step, marker)
 
 
 def write_regions(
