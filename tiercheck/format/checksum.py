@@ -17,6 +17,7 @@ import crc32c as _crc32c
 Buffer = bytes | bytearray | memoryview
 
 ALGORITHMS = ("crc32c", "xxh3_64")
+DIGEST_WIDTH = {"crc32c": 8, "xxh3_64": 16}  # hex digits of each algorithm's digest
 
 
 def _xxh3(data: Buffer) -> int:
@@ -55,6 +56,24 @@ def checksum_stream(algorithm: str) -> StreamingChecksum:
         x: StreamingChecksum = xxhash.xxh3_64()
         return x
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+
+
+def block_checksums(algorithm: str, data: memoryview, block: int) -> tuple[str, tuple[str, ...]]:
+    """The digest of `data`, and the digests of its `block`-byte blocks (the last shorter; none
+    for no bytes), in one pass over memory: each block is hashed alone and into the whole's
+    stream while it is in cache.
+
+    Raises:
+        ValueError: unknown algorithm.
+    """
+    whole = checksum_stream(algorithm)
+    one = checksum_function(algorithm)
+    parts = []
+    for lo in range(0, len(data), block):
+        chunk = data[lo : lo + block]
+        parts.append(one(chunk))
+        whole.update(chunk)
+    return whole.hexdigest(), tuple(parts)
 
 
 Region = tuple[tuple[int, int], str]  # ((offset, length), expected digest) in one shard file

@@ -8,22 +8,26 @@ multiple of the bytes it was given (see `decode_manifest`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import json
 import math
 import operator
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointCorruptedError, UnsupportedStateError
 from . import naming
+from .checksum import DIGEST_WIDTH
 from .dtypes import itemsize
-from .tree import JsonNode, Leaf
+from .tree import DTensorInfo, JsonNode, Leaf, block_count
 
 FORMAT = "tiercheck"
-VERSION = 1
+VERSION = 2  # what writers write; docs/format.md, Versioning
+READ_VERSIONS = (1, 2)  # what readers accept
 MAX_DEPTH = 256  # tree levels; the reader's recursion stays well inside Python's limit
 MAX_NDIM = 64
 # The largest manifest a writer produces or a reader parses; docs/format.md (Limits) says why.
@@ -53,6 +57,7 @@ class Entry:
     length: int
     checksum: str
     codec: str = "raw"
+    dtensor: DTensorInfo | None = None  # version 2: a DTensor's piece, its box and block digests
 
 
 CODECS = ("raw", "zstd")
@@ -110,12 +115,31 @@ class Marker:
 
 
 def build_entries(
-    leaves: Sequence[Leaf], offsets: Sequence[int], checksums: Sequence[str], file: str
+    leaves: Sequence[Leaf],
+    offsets: Sequence[int],
+    checksums: Sequence[str],
+    file: str,
+    blocks: Mapping[int, tuple[str, ...]] | None = None,
 ) -> tuple[Entry, ...]:
-    return tuple(
+    """The entries of `leaves` in `file`; `blocks`: per DTensor leaf index (an alias: the leaf
+    it aliases), the digests of its bytes' blocks.
+
+    Raises:
+        ValueError: a DTensor leaf without its block digests.
+    """
+    entries = [
         Entry(lf.path, lf.kind, lf.dtype, lf.shape, file, off, lf.nbytes, ck)
         for lf, off, ck in zip(leaves, offsets, checksums, strict=True)
-    )
+    ]
+    for i, lf in enumerate(leaves):
+        if lf.dtensor is None:
+            continue
+        src = i if lf.alias_of is None else lf.alias_of
+        digests = None if blocks is None else blocks.get(src)
+        if digests is None or len(digests) != block_count(lf.nbytes, lf.dtensor.block):
+            raise ValueError(f"{lf.path}: a DTensor leaf needs the digests of its blocks")
+        entries[i] = dataclasses.replace(entries[i], dtensor=dataclasses.replace(lf.dtensor, blocks=digests))
+    return tuple(entries)
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -136,6 +160,23 @@ def encode_manifest(m: Manifest) -> bytes:
 
 
 def _encode_manifest(m: Manifest) -> bytes:
+    entries = [
+        {
+            "path": e.path,
+            "kind": e.kind,
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "file": e.file,
+            "offset": e.offset,
+            "length": e.length,
+            "checksum": e.checksum,
+            "codec": e.codec,
+        }
+        for e in m.entries
+    ]
+    for doc_e, e in zip(entries, m.entries, strict=True):
+        if e.dtensor is not None:  # after "codec": only DTensor entries carry it
+            doc_e["dtensor"] = _dtensor_doc(e.dtensor)
     doc = {
         "format": FORMAT,
         "version": VERSION,
@@ -145,25 +186,25 @@ def _encode_manifest(m: Manifest) -> bytes:
         "world_size": m.world_size,
         "checksum_algorithm": m.checksum_algorithm,
         "files": [_file_doc(f) for f in m.files],
-        "entries": [
-            {
-                "path": e.path,
-                "kind": e.kind,
-                "dtype": e.dtype,
-                "shape": list(e.shape),
-                "file": e.file,
-                "offset": e.offset,
-                "length": e.length,
-                "checksum": e.checksum,
-                "codec": e.codec,
-            }
-            for e in m.entries
-        ],
+        "entries": entries,
         "tree": m.tree,
     }
     if m.replicated:  # absent when empty: single-rank manifests stay byte-identical
         doc["replicated"] = [list(k) for k in m.replicated]
     return _dump(doc)
+
+
+def _dtensor_doc(d: DTensorInfo) -> dict[str, Any]:
+    return {
+        "global_shape": list(d.global_shape),
+        "offsets": list(d.offsets),
+        "mesh": list(d.mesh),
+        "dims": list(d.dims),
+        "placements": list(d.placements),
+        "coordinate": list(d.coordinate),
+        "block": d.block,
+        "blocks": list(d.blocks),
+    }
 
 
 def _file_doc(f: ShardFile) -> dict[str, Any]:
@@ -233,8 +274,8 @@ def _load_json(data: bytes, where: str) -> dict[str, Any]:
         raise _fail(where, "top level is not a JSON object with 'format' and 'version' fields")
     if doc.get("format") != FORMAT:
         raise _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
-    if type(doc.get("version")) is not int or doc["version"] != VERSION:
-        raise _fail(where, f"unsupported format version {doc.get('version')!r} (reader: {VERSION})")
+    if type(doc.get("version")) is not int or doc["version"] not in READ_VERSIONS:
+        raise _fail(where, f"unsupported format version {doc.get('version')!r} (reader: {READ_VERSIONS})")
     return doc
 
 
@@ -321,6 +362,8 @@ def _compacting_hook() -> Callable[[dict[str, Any]], object]:
         if obj and all(type(v) is dict and v.get("t") in _METRIC_NODES for v in obj.values()):
             return obj  # a marker's metrics: name -> int or float node
         if "name" in obj and "length" in obj:  # a shard file, or a marker's manifest reference
+            return obj
+        if "global_shape" in obj:  # an entry's `dtensor`
             return obj
         return _UNRECOGNISED
 
@@ -471,7 +514,7 @@ def _decode_manifest(data: bytes, where: str) -> Manifest:
             raise _fail(w, f"unsupported codec {codec!r}")
         stored = None if codec == "raw" else _int(f, "stored_length", w)
         shard_files.append(ShardFile(name, files[name], codec, stored))
-    entries = _entries(_list(doc, "entries", where), files, where)
+    entries = _entries(_list(doc, "entries", where), files, where, _DTensorRules(doc["version"], algo))
     _check_regions(entries, where)
     tree = doc.get("tree")
     if not isinstance(tree, dict) or tree.get("t") != "dict":
@@ -517,21 +560,21 @@ _HEX = frozenset("0123456789abcdef")
 _MAX_FIELD = 2**63 - 1  # `_int`'s bound
 
 
-def _entries(raw: list[Any], files: dict[str, int], where: str) -> tuple[Entry, ...]:
+def _entries(raw: list[Any], files: dict[str, int], where: str, rules: _DTensorRules) -> tuple[Entry, ...]:
     """Every entry, checked a batch at a time by `_entry_batch`; a batch it refuses is decoded
     entry by entry (`_entry`), which names what is wrong. Each JSON object goes once its
     Entry exists, so the parse and the entries never peak together."""
     out: list[Entry] = []
     for lo in range(0, len(raw), _BATCH):
         batch = raw[lo : lo + _BATCH]
-        got = _entry_batch(batch, files)
-        out.extend(got if got is not None else (_entry(e, lo + i, files, where) for i, e in enumerate(batch)))
+        got = _entry_batch(batch, files, rules)
+        out.extend(got if got is not None else (_entry(e, lo + i, files, where, rules) for i, e in enumerate(batch)))
         raw[lo : lo + _BATCH] = [None] * len(batch)
         del batch
     return tuple(out)
 
 
-def _entry_batch(batch: list[Any], files: dict[str, int]) -> list[Entry] | None:
+def _entry_batch(batch: list[Any], files: dict[str, int], rules: _DTensorRules) -> list[Entry] | None:
     """`_entry` of every item of `batch`, each check run over whole columns (C-level loops
     instead of a dozen Python steps an entry); None when any check fails. It accepts exactly
     what `_entry` accepts: a manifest's every entry is validated either way."""
@@ -571,10 +614,18 @@ def _entry_batch(batch: list[Any], files: dict[str, int]) -> list[Entry] | None:
         return None
     if min(map(len, checksums)) < 1 or max(map(len, checksums)) > 64 or not set("".join(checksums)) <= _HEX:
         return None
-    return list(map(Entry, paths, kinds, dtypes, map(tuple, shapes), names, offsets, lengths, checksums, codecs))
+    out = list(map(Entry, paths, kinds, dtypes, map(tuple, shapes), names, offsets, lengths, checksums, codecs))
+    dtensors = list(map(dict.get, batch, itertools.repeat("dtensor"), itertools.repeat(_ABSENT)))
+    if dtensors.count(_ABSENT) == len(dtensors):
+        return out
+    try:  # a version-2 manifest of DTensors
+        infos = [None if d is _ABSENT else rules.info(d, e, "") for d, e in zip(dtensors, out, strict=True)]
+    except CheckpointCorruptedError:
+        return None
+    return list(map(Entry, paths, kinds, dtypes, map(tuple, shapes), names, offsets, lengths, checksums, codecs, infos))
 
 
-def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:
+def _entry(e: object, i: int, files: dict[str, int], where: str, rules: _DTensorRules) -> Entry:
     w = f"{where} entries[{i}]"
     if not isinstance(e, dict):
         raise _fail(w, f"not an object with the fields {sorted(_ENTRY_FIELDS)}")
@@ -605,17 +656,125 @@ def _entry(e: object, i: int, files: dict[str, int], where: str) -> Entry:
     if codec != "raw":
         raise _fail(w, f"unsupported codec {codec!r}")
     path = _str(e, "path", w)
-    return Entry(
-        path,
-        kind,
-        dtype,
-        shape,
-        file,
-        offset,
-        length,
-        _checksum_text(_str(e, "checksum", w), w),
-        codec,
-    )
+    entry = Entry(path, kind, dtype, shape, file, offset, length, _checksum_text(_str(e, "checksum", w), w), codec)
+    d = e.get("dtensor", _ABSENT)
+    return entry if d is _ABSENT else dataclasses.replace(entry, dtensor=rules.info(d, entry, w))
+
+
+_ABSENT = object()  # an entry without a `dtensor` field (`null` is a present, bad one)
+_PLACEMENT = re.compile(r"R|S[0-9]+", re.ASCII)
+_MAX_MESH = 1 << 20  # devices in a mesh: the format's largest world
+MIN_BLOCK = 1 << 20
+MAX_BLOCK = 1 << 30
+_DTENSOR_FIELDS = ("global_shape", "offsets", "mesh", "dims", "placements", "coordinate", "block", "blocks")
+_DTENSOR_KEYS = frozenset(_DTENSOR_FIELDS)
+_STR = {str}
+
+
+class _DTensorRules:
+    """Validates entries' `dtensor` fields (docs/format.md, DTensor entries) for one manifest:
+    its version (1 has none) and checksum algorithm (the width of a block digest). The mesh
+    part (mesh, names, placements, coordinate), the same for most entries of a rank, is
+    checked once per distinct value and its tuples shared among the entries."""
+
+    __slots__ = ("_meshes", "version", "width")
+
+    def __init__(self, version: int, algorithm: str) -> None:
+        self.version = version
+        self.width = DIGEST_WIDTH.get(algorithm)
+        # (ndim, mesh, dims, placements, coordinate) as given -> the checked tuples and the
+        # tensor dimensions no placement shards
+        self._meshes: dict[tuple[object, ...], tuple[Any, ...]] = {}
+
+    def info(self, d: object, e: Entry, where: str) -> DTensorInfo:
+        """The `dtensor` field `d` of entry `e` (`where` names it).
+
+        Raises:
+            CheckpointCorruptedError: `d` breaks a rule.
+        """
+        if self.version < 2:
+            raise _fail(where, "a 'dtensor' field in a version-1 manifest (DTensor entries are version 2)")
+        if type(d) is not dict or not d.keys() >= _DTENSOR_KEYS:
+            raise _fail(where, f"'dtensor' must be an object with the fields {list(_DTENSOR_FIELDS)}")
+        if e.kind != "tensor":
+            raise _fail(where, f"a {e.kind!r} entry cannot have a 'dtensor' field")
+        shape, ndim = e.shape, len(e.shape)
+        mesh, dims, placements, coordinate, unsharded = self._mesh_part(d, ndim, where)
+        global_shape = _ints(d["global_shape"], "global_shape", 0, where)
+        offsets = _ints(d["offsets"], "offsets", 0, where)
+        if len(global_shape) != ndim or len(offsets) != ndim:
+            raise _fail(where, f"dtensor global_shape and offsets must have {ndim} items, as shape has")
+        if any(map(operator.gt, map(operator.add, offsets, shape), global_shape)):
+            raise _fail(
+                where, f"dtensor box at {list(offsets)} of sizes {list(shape)} lies outside {list(global_shape)}"
+            )
+        for i in unsharded:
+            if offsets[i] != 0 or shape[i] != global_shape[i]:
+                raise _fail(where, f"dtensor dimension {i} is not sharded, yet the piece does not span it")
+        block = d["block"]
+        if type(block) is not int or block % 4096 or not MIN_BLOCK <= block <= MAX_BLOCK:
+            raise _fail(where, f"dtensor block {block!r} must be a multiple of 4096 in [{MIN_BLOCK}, {MAX_BLOCK}]")
+        blocks = d["blocks"]
+        count = block_count(e.length, block)
+        if type(blocks) is not list or len(blocks) != count:
+            raise _fail(where, f"dtensor blocks must list {count} digests for {e.length} bytes")
+        width = self.width
+        if width is None:
+            raise _fail(where, "dtensor block digests of a checksum algorithm this reader does not know")
+        if blocks and not (
+            set(map(type, blocks)) == _STR and set(map(len, blocks)) == {width} and _HEX.issuperset("".join(blocks))
+        ):
+            bad = next(b for b in blocks if type(b) is not str or len(b) != width or not _HEX.issuperset(b))
+            raise _fail(where, f"dtensor block digest {str(bad)[:20]!r} is not {width} lowercase hex digits")
+        return DTensorInfo(global_shape, offsets, mesh, dims, placements, coordinate, block, tuple(blocks))
+
+    def _mesh_part(self, d: dict[str, Any], ndim: int, where: str) -> tuple[Any, ...]:
+        raw = (d["mesh"], d["dims"], d["placements"], d["coordinate"])
+        try:
+            key: tuple[object, ...] | None = (ndim, *(tuple(v) if type(v) is list else v for v in raw))
+            got = self._meshes.get(key)  # type: ignore[arg-type]
+        except TypeError:  # an unhashable item: checked below, which refuses it
+            key, got = None, None
+        if got is not None:
+            return got
+        mesh = _ints(raw[0], "mesh", 1, where)
+        if not 1 <= len(mesh) <= MAX_NDIM or math.prod(mesh) > _MAX_MESH:
+            raise _fail(
+                where, f"dtensor mesh {list(mesh)[:8]} needs 1 to {MAX_NDIM} dimensions, {_MAX_MESH} devices at most"
+            )
+        n = len(mesh)
+        dims, placements, coordinate = raw[1], raw[2], _ints(raw[3], "coordinate", 0, where)
+        if type(dims) is not list or len(dims) != n or any(x is not None and type(x) is not str for x in dims):
+            raise _fail(where, f"dtensor dims must be {n} names (strings) or nulls, one per mesh dimension")
+        if type(placements) is not list or len(placements) != n:
+            raise _fail(where, f"dtensor placements must be {n} items, one per mesh dimension")
+        sharded: set[int] = set()
+        for p in placements:
+            if type(p) is not str or _PLACEMENT.fullmatch(p) is None:
+                raise _fail(where, f"dtensor placement {str(p)[:20]!r} is not 'R' or 'S<dim>'")
+            if p != "R":
+                dim = int(p[1:]) if len(p) <= 4 else ndim  # longer: no dimension of <= 64
+                if dim >= ndim:
+                    raise _fail(where, f"dtensor placement {p[:20]!r} shards a dimension the tensor ({ndim}-d) lacks")
+                sharded.add(dim)
+        if len(coordinate) != n or any(map(operator.ge, coordinate, mesh)):
+            raise _fail(where, f"dtensor coordinate {list(coordinate)[:8]} lies outside mesh {list(mesh)[:8]}")
+        part = (mesh, tuple(dims), tuple(placements), coordinate, tuple(i for i in range(ndim) if i not in sharded))
+        if key is not None:
+            self._meshes[key] = part
+        return part
+
+
+def _ints(v: object, name: str, lo: int, where: str) -> tuple[int, ...]:
+    if type(v) is not list or len(v) > MAX_NDIM:
+        raise _fail(where, f"dtensor {name} must be a list of at most {MAX_NDIM} integers")
+    if v and (set(map(type, v)) != _INT or min(v) < lo or max(v) > _MAX_FIELD):
+        bad = next(x for x in v if type(x) is not int or not lo <= x <= _MAX_FIELD)
+        raise _fail(where, f"dtensor {name} holds {str(bad)[:20]!r}, not an integer in [{lo}, {_MAX_FIELD}]")
+    return tuple(v)
+
+
+_INT = {int}
 
 
 def _check_regions(entries: tuple[Entry, ...], where: str) -> None:

@@ -10,7 +10,7 @@ compressed, or packed without another rank's replicated keys).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..format import naming
 from ..format.manifest import Manifest, ShardFile, build_entries
@@ -31,8 +31,14 @@ def shard_manifest(
     sums: Sequence[str],
     tree: JsonNode,
     replicated: tuple[tuple[str, str], ...] = (),
+    blocks: Mapping[int, tuple[str, ...]] | None = None,
 ) -> Manifest:
-    """The manifest of one rank's single-shard part of `step` (`sums`: one per leaf)."""
+    """The manifest of one rank's single-shard part of `step` (`sums`: one per leaf;
+    `blocks`: the block digests of each DTensor leaf by index, an alias's under its source's).
+
+    Raises:
+        ValueError: a DTensor leaf without its block digests.
+    """
     shard = naming.shard_name(rank, world_size)
     return Manifest(
         step=step,
@@ -40,7 +46,7 @@ def shard_manifest(
         world_size=world_size,
         checksum_algorithm=checksum_algorithm,
         files=(ShardFile(shard, plan.total_bytes),),
-        entries=build_entries(leaves, plan.offsets, sums, shard),
+        entries=build_entries(leaves, plan.offsets, sums, shard, blocks),
         tree=tree,
         replicated=replicated,
     )

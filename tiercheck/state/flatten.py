@@ -7,6 +7,7 @@ plain values are encoded exactly (ints of any size as decimal strings, floats as
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 
 from ..errors import UnsupportedStateError
 from ..format.dtypes import numpy_dtype_name, torch_dtype_name
-from ..format.tree import MAX_DEPTH, ROOT, JsonNode, Leaf, encode_float, key_path
+from ..format.tree import MAX_DEPTH, ROOT, DTensorInfo, JsonNode, Leaf, encode_float, key_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,51 @@ def dtensor_local(t: torch.Tensor, path: str) -> torch.Tensor | None:
         raise UnsupportedStateError(f"{path}: a DTensor with a Partial placement cannot be saved; reduce it first")
     local: torch.Tensor = t.to_local()
     return local
+
+
+def dtensor_info(t: torch.Tensor, local: torch.Tensor, path: str) -> DTensorInfo:
+    """Where DTensor `t`'s piece `local` sits in the whole tensor (`DTensorInfo`, blocks
+    left to the writer).
+
+    Raises:
+        UnsupportedStateError: a placement other than Shard and Replicate (a strided shard's
+            piece is no box of the whole), this rank outside the mesh, or a piece whose shape
+            is not the box its placements give (an uneven, padded layout).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    dt: Any = t
+    mesh, placements = dt.device_mesh, tuple(dt.placements)
+    global_shape = tuple(int(s) for s in dt.shape)
+    names: list[str] = []
+    for p in placements:
+        if type(p) is Replicate:
+            names.append("R")
+        elif type(p) is Shard:
+            names.append(f"S{p.dim % len(global_shape) if global_shape else p.dim}")
+        else:
+            raise UnsupportedStateError(
+                f"{path}: a DTensor placement {p!r} cannot be saved (Shard and Replicate can); redistribute it first"
+            )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise UnsupportedStateError(f"{path}: this rank is not part of the DTensor's mesh, so it holds no piece of it")
+    local_shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    if tuple(local_shape) != tuple(local.shape):
+        raise UnsupportedStateError(
+            f"{path}: this DTensor's local piece has shape {tuple(local.shape)}, but its placements give a box of "
+            f"{tuple(local_shape)} (an uneven, padded layout); only a piece that is a box of the whole can be saved"
+        )
+    dims = mesh.mesh_dim_names
+    return DTensorInfo(
+        global_shape=global_shape,
+        offsets=tuple(int(o) for o in offsets),
+        mesh=tuple(int(m) for m in mesh.shape),
+        dims=tuple(dims) if dims is not None else (None,) * mesh.ndim,
+        placements=tuple(names),
+        coordinate=tuple(int(c) for c in coordinate),
+    )
 
 
 def param_identity(p: torch.Tensor) -> tuple[torch.device, int]:
@@ -232,7 +278,7 @@ class _Flattener:
         if alias_key is not None:
             first = self._alias.get(alias_key)
             if first is not None:
-                leaf = Leaf(leaf.path, leaf.kind, leaf.dtype, leaf.shape, leaf.nbytes, first)
+                leaf = dataclasses.replace(leaf, alias_of=first)
             else:
                 self._alias[alias_key] = len(self.leaves)
         self.leaves.append(leaf)
@@ -244,12 +290,14 @@ class _Flattener:
         return len(self.leaves) - 1
 
     def _tensor(self, t: torch.Tensor, path: str) -> int:
+        dtensor = None
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             local = dtensor_local(t, path)
             if local is None:
                 raise UnsupportedStateError(
                     f"{path}: tensor subclass {type(t).__name__} is not supported; save a plain tensor"
                 )
+            dtensor = dtensor_info(t, local, path)
             t = local  # a DTensor (FSDP2, tensor parallel) is saved as the piece this rank holds
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
             raise UnsupportedStateError(f"{path}: only dense strided tensors are supported, got layout {t.layout}")
@@ -272,7 +320,7 @@ class _Flattener:
                 t.is_conj(),
                 t.is_neg(),
             )
-        return self._add(Leaf(path, "tensor", name, shape, nbytes), t.detach(), alias_key)
+        return self._add(Leaf(path, "tensor", name, shape, nbytes, dtensor=dtensor), t.detach(), alias_key)
 
     def _ndarray(self, a: np.ndarray[Any, Any], path: str, kind: str) -> int:
         name = numpy_dtype_name(a.dtype)

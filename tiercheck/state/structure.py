@@ -19,7 +19,10 @@ this is as it was:
   what the deferral decisions of ``save(overlap=True)`` are made of;
 - every tensor: the same Python type (a DTensor's local piece is checked), dtype, shape,
   strides, data pointer and device (CPU, else the device itself), and for a leaf in an
-  alias pair also its conjugate and negative bits;
+  alias pair also its conjugate and negative bits; a DTensor also its global shape, its
+  placements and the very same device mesh (these make its `DTensorInfo`: the box its piece
+  is of the whole, the mesh shape, names and this rank's coordinate, all compared here
+  rather than recomputed);
 - every numpy value the same type, dtype and shape; bytes the same type and length;
 - every plain value (int, float, str, bool, None) the same type. A changed value (a
   learning rate, a step counter) is not a structure change: the tree is rebuilt along the
@@ -266,6 +269,7 @@ class _Builder:
         self.count = 0  # leaves seen, in order
         self.tensor_pos: list[int] = []
         self.tensor_types: list[type] = []
+        self.dtensors: list[tuple[int, Any, Any, Any]] = []  # (tensor index, shape, placements, mesh)
 
     def leaf(self, node: JsonNode) -> int:
         if node["e"] != self.count:
@@ -278,6 +282,8 @@ class _Builder:
         if t == "tensor":
             self.tensor_pos.append(self.leaf(node))
             self.tensor_types.append(type(value))
+            if type(value) not in _PLAIN_TENSORS:
+                self.dtensors.append((len(self.tensor_types) - 1, *_dtensor_layout(value)))
             return _TensorSlot(node)
         if t in ("ndarray", "npscalar"):
             self.leaf(node)
@@ -309,6 +315,7 @@ class _Template:
         self.tensor_pos: list[int] | None = None if len(pos) == n else pos
         self.types = builder.tensor_types
         self.dtensors = any(t not in _PLAIN_TENSORS for t in self.types)
+        self.layouts = builder.dtensors
         tensors: list[Any] = [flat.sources[i] for i in pos]
         assert all(isinstance(t, torch.Tensor) for t in tensors)
         self.dtypes = [t.dtype for t in tensors]
@@ -357,6 +364,9 @@ class _Template:
         if list(map(type, tensors)) != self.types:
             raise _Mismatch
         if self.dtensors:
+            for j, shape, placements, mesh in self.layouts:
+                if _dtensor_layout(tensors[j]) != (shape, placements, mesh):
+                    raise _Mismatch
             tensors = [t if type(t) in _PLAIN_TENSORS else _local(t) for t in tensors]
             for j, t in enumerate(tensors):
                 sources[j if pos is None else pos[j]] = t
@@ -374,6 +384,30 @@ class _Template:
         for j, conj, neg in self.bits:
             if tensors[j].is_conj() != conj or tensors[j].is_neg() != neg:
                 raise _Mismatch
+
+
+class _Same:
+    """Compares equal to the very same object only (a DeviceMesh's ``==`` compares devices)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _dtensor_layout(t: Any) -> tuple[Any, Any, _Same]:
+    """What a DTensor's `DTensorInfo` is made of: its global shape, placements and mesh (by
+    identity: one mesh object has one shape, names and coordinate)."""
+    try:
+        return t.shape, tuple(t.placements), _Same(t.device_mesh)
+    except AttributeError:  # not a DTensor: `_local` refuses it
+        raise _Mismatch from None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

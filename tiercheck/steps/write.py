@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from ..format import naming
-from ..format.checksum import checksum_function
+from ..format.checksum import block_checksums, checksum_function
 from ..format.manifest import Manifest, ManifestRef, Marker, Metric, assignment_digest, encode_manifest, encode_marker
 from ..format.tree import JsonNode, Leaf
 from ..job.commit import commit_step, part_may_commit
@@ -62,6 +62,9 @@ class StagedSave:
     # Per checksum algorithm, the leaves' digests once a writer has computed them: tier 0 and
     # tier 1 write the same buffer, so the second hashes nothing.
     digests: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    # Per checksum algorithm, the block digests of each DTensor leaf (by leaf index; an alias
+    # uses its source's), computed with `digests` and cached alike.
+    block_digests: dict[str, dict[int, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
 
 
 def write_staged(
@@ -87,10 +90,11 @@ def write_staged(
     checksum = checksum_function(checksum_algorithm)
     cached = job.digests.get(checksum_algorithm)
     batches = checksum_batches(job) if cached is None else []
-    futures = [hasher.submit(_batch_checksums, job, checksum, batch) for batch in batches]
+    blocked = block_sizes(job.leaves)
+    futures = [hasher.submit(_batch_checksums, job, checksum, batch, checksum_algorithm, blocked) for batch in batches]
     writer = tier.open_step(job.step, job.rank, shared=group.shared)
 
-    def manifest_with(sums: list[str]) -> Manifest:
+    def manifest_with(sums: list[str], blocks: dict[int, tuple[str, ...]] | None = None) -> Manifest:
         return shard_manifest(
             step=job.step,
             rank=job.rank,
@@ -101,6 +105,7 @@ def write_staged(
             sums=sums,
             tree=job.tree,
             replicated=job.replicated,
+            blocks=blocks if blocks is not None else _placeholder_blocks(job.leaves),
         )
 
     try:
@@ -115,13 +120,18 @@ def write_staged(
             stored = write_regions(writer, shard, lambda o, n: view[o : o + n], moved)
         if cached is None:
             sums = [""] * len(job.leaves)
+            blocks: dict[int, tuple[str, ...]] = {}
             for batch, f in zip(batches, futures, strict=True):
-                for i, digest in zip(batch, f.result(), strict=True):
+                digests, batch_blocks = f.result()
+                for i, digest in zip(batch, digests, strict=True):
                     sums[i] = digest
+                blocks.update(batch_blocks)
+            job.block_digests[checksum_algorithm] = blocks
             job.digests[checksum_algorithm] = sums
         else:
             sums = list(cached)
-        doc = manifest_with(with_alias_sums(job.leaves, sums))
+            blocks = job.block_digests[checksum_algorithm]
+        doc = manifest_with(with_alias_sums(job.leaves, sums), blocks)
         if moved is not None:
             again = retarget(doc, owners)
             assert again is not None and again.regions == moved.regions
@@ -234,11 +244,43 @@ def checksum_batches(job: StagedSave) -> list[list[int]]:
     return out
 
 
-def _batch_checksums(job: StagedSave, checksum: Callable[[memoryview], str], batch: list[int]) -> list[str]:
+def block_sizes(leaves: Sequence[Leaf]) -> dict[int, int]:
+    """The leaves whose bytes get block digests (a DTensor's piece, or the leaf a DTensor's
+    piece aliases), and their block sizes."""
+    out: dict[int, int] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.dtensor is not None:
+            out[i if leaf.alias_of is None else leaf.alias_of] = leaf.dtensor.block
+    return out
+
+
+def _placeholder_blocks(leaves: Sequence[Leaf]) -> dict[int, tuple[str, ...]]:
+    """Blocks of the right count, no digest: the manifest `retarget` lays out before the
+    digests exist (it reads only offsets and lengths)."""
+    return {i: ("",) * -(-leaves[i].nbytes // block) for i, block in block_sizes(leaves).items()}
+
+
+def _batch_checksums(
+    job: StagedSave, checksum: Callable[[memoryview], str], batch: list[int], algorithm: str, blocked: dict[int, int]
+) -> tuple[list[str], dict[int, tuple[str, ...]]]:
+    """The digests of the leaves of `batch`, and the block digests of those in `blocked`,
+    hashed in the same pass over their bytes."""
     offsets = job.plan.offsets
     last = batch[-1]
     end = offsets[last] + job.leaves[last].nbytes
     if job.progress is not None:
         job.progress.wait(end)
     view = job.buffer.view(end)
-    return [checksum(view[offsets[i] : offsets[i] + job.leaves[i].nbytes]) for i in batch]
+    if not blocked:
+        return [checksum(view[offsets[i] : offsets[i] + job.leaves[i].nbytes]) for i in batch], {}
+    sums: list[str] = []
+    blocks: dict[int, tuple[str, ...]] = {}
+    for i in batch:
+        data = view[offsets[i] : offsets[i] + job.leaves[i].nbytes]
+        block = blocked.get(i)
+        if block is None:
+            sums.append(checksum(data))
+        else:
+            whole, blocks[i] = block_checksums(algorithm, data, block)
+            sums.append(whole)
+    return sums, blocks
