@@ -1,11 +1,13 @@
 """Golden bytes pin the on-disk format (docs/format.md).
 
 * The writer's output for a fixed state (manifest, COMMIT, shard) must equal the files
-  checked into tests/golden/v1/ byte for byte. After an intended format change,
+  checked into tests/golden/v2/ byte for byte (v2-metrics/: a marker with metrics;
+  v2-dtensor/: DTensor entries, tests/test_dtensor_format.py). After an intended format change,
   regenerate them with ``TIERCHECK_REGEN_GOLDEN=1 pytest tests/test_format_golden.py``
   and review the diff (a change that old readers would misread needs a new version).
-* The checked-in golden step must keep loading to the expected values, so that readers
-  stay compatible with checkpoints already on disk.
+* The checked-in golden steps, of every version (v1/, v1-metrics/ and the v2 ones), must
+  keep loading to the expected values, so that readers stay compatible with checkpoints
+  already on disk.
 * An independent mini-reader (json + struct + crc32c, no tiercheck) decodes the golden
   shard, which checks the spec's byte-level claims (alignment, little-endian tensors,
   numpy byte order, aliases, checksum coverage).
@@ -52,7 +54,9 @@ from tiercheck.plan.placement import JobLayout, place_state
 from tiercheck.plan.shards import plan_shard
 
 HERE = Path(__file__).resolve().parent
-GOLDEN_ROOT = HERE / "golden" / "v1"
+GOLDEN_ROOT = HERE / "golden" / "v2"  # what the writer writes now
+V1_ROOT = HERE / "golden" / "v1"  # written by version-1 writers: must still read
+READ_ROOTS = pytest.mark.parametrize("root", [V1_ROOT, GOLDEN_ROOT], ids=["v1", "v2"])
 FORMAT_DOC = HERE.parent / "docs" / "format.md"
 STEP = 1234
 STEP_DIR = naming.step_dir_name(STEP)
@@ -156,20 +160,37 @@ def test_writer_output_matches_golden_bytes(tmp_path: Path) -> None:
     assert (produced / SHARD).read_bytes() == (golden / SHARD).read_bytes()
 
 
-def test_golden_step_loads_to_the_expected_values() -> None:
-    before = snapshot(GOLDEN_ROOT)
+@READ_ROOTS
+def test_golden_step_loads_to_the_expected_values(root: Path) -> None:
+    before = snapshot(root)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loaded = tiercheck.load(GOLDEN_ROOT)
+        loaded = tiercheck.load(root)
         same(loaded, loaded_golden_state())
         assert loaded["tied"] is loaded["f32"]  # one entry region: one tensor, still tied
-        same(tiercheck.load(GOLDEN_ROOT, step=STEP), loaded_golden_state())
-    assert snapshot(GOLDEN_ROOT) == before  # reading never writes
+        same(tiercheck.load(root, step=STEP), loaded_golden_state())
+    assert snapshot(root) == before  # reading never writes
 
 
-def test_golden_step_restores_into_a_template(tmp_path: Path) -> None:
+def test_v2_differs_from_v1_only_in_the_version() -> None:
+    """Without DTensors a version-2 step is a version-1 step with `"version":2`: the shard is
+    the same bytes, the manifest and marker differ in that field (and the marker in the
+    manifest's checksum)."""
+    old, new = V1_ROOT / STEP_DIR, GOLDEN_ROOT / STEP_DIR
+    assert (old / SHARD).read_bytes() == (new / SHARD).read_bytes()
+    v1 = (old / MANIFEST).read_bytes()
+    assert (new / MANIFEST).read_bytes() == v1.replace(b'"version":1,', b'"version":2,', 1)
+    marker = json.loads((old / COMMIT).read_bytes())
+    marker["version"] = 2
+    marker["manifests"][0]["checksum"] = f"{crc32c.crc32c((new / MANIFEST).read_bytes()):08x}"
+    assert json.loads((new / COMMIT).read_bytes()) == marker
+
+
+@READ_ROOTS
+def test_golden_step_restores_into_a_template(tmp_path: Path, root: Path) -> None:
+    source = root
     root = tmp_path / "ckpt"
-    shutil.copytree(GOLDEN_ROOT, root)
+    shutil.copytree(source, root)
     template = golden_state()
     for v in template.values():  # scribble over every tensor so the restore must fill it
         if isinstance(v, torch.Tensor) and v.numel():
@@ -198,8 +219,9 @@ def test_golden_step_restores_into_a_template(tmp_path: Path) -> None:
 # --------------------------------------------------- an independent reader of the bytes
 
 
-def test_golden_shard_decodes_with_an_independent_reader() -> None:
-    step_dir = GOLDEN_ROOT / STEP_DIR
+@READ_ROOTS
+def test_golden_shard_decodes_with_an_independent_reader(root: Path) -> None:
+    step_dir = root / STEP_DIR
     marker_bytes = (step_dir / COMMIT).read_bytes()
     manifest_bytes = (step_dir / MANIFEST).read_bytes()
     shard = (step_dir / SHARD).read_bytes()
@@ -280,8 +302,9 @@ def test_golden_shard_decodes_with_an_independent_reader() -> None:
     assert counter["t"] == "stateful" and counter["v"]["t"] == "dict"
 
 
-def test_golden_documents_pass_the_reference_parsers() -> None:
-    step_dir = GOLDEN_ROOT / STEP_DIR
+@READ_ROOTS
+def test_golden_documents_pass_the_reference_parsers(root: Path) -> None:
+    step_dir = root / STEP_DIR
     marker = decode_marker((step_dir / COMMIT).read_bytes(), "golden")
     manifest = decode_manifest((step_dir / MANIFEST).read_bytes(), "golden")
     assert (marker.step, marker.world_size, manifest.step, manifest.rank) == (STEP, 1, STEP, 0)
@@ -292,7 +315,7 @@ def test_unknown_version_is_rejected(tmp_path: Path) -> None:
     shutil.copytree(GOLDEN_ROOT, root)
     marker_path = root / STEP_DIR / COMMIT
     marker = json.loads(marker_path.read_bytes())
-    marker["version"] = 2
+    marker["version"] = 3
     marker_path.write_bytes(json.dumps(marker).encode())
     with pytest.raises(CheckpointCorruptedError, match="version"):
         tiercheck.load(root, step=STEP)
@@ -357,7 +380,7 @@ def _errors(validator: Any, doc: object) -> list[str]:
 
 def test_schemas_accept_the_golden_and_fresh_documents(validators: dict[str, Any], tmp_path: Path) -> None:
     fresh = write_golden_state(tmp_path / "ckpt")
-    for step_dir in (GOLDEN_ROOT / STEP_DIR, fresh):
+    for step_dir in (V1_ROOT / STEP_DIR, GOLDEN_ROOT / STEP_DIR, fresh):
         assert _errors(validators["manifest"], json.loads((step_dir / MANIFEST).read_bytes())) == []
         assert _errors(validators["marker"], json.loads((step_dir / COMMIT).read_bytes())) == []
     manifest_example, marker_example = _doc_examples()
@@ -379,7 +402,8 @@ def _mutated(doc: dict[str, Any], path: tuple[Any, ...], value: object) -> dict[
 
 _DELETE = object()
 BAD_MANIFESTS = [
-    (("version",), 2),
+    (("version",), 3),
+    (("version",), 0),
     (("kind",), "commit"),
     (("step",), -1),
     (("step",), "1234"),
@@ -452,8 +476,8 @@ def test_schema_and_parser_reject_invalid_markers(
         decode_marker(json.dumps(doc).encode(), "x")
 
 
-@pytest.mark.parametrize("version", [True, 1.0])
-def test_version_must_be_the_integer_1(version: object) -> None:
+@pytest.mark.parametrize("version", [True, 1.0, 2.0, "2"])
+def test_version_must_be_the_integer_1_or_2(version: object) -> None:
     for name, decode in ((MANIFEST, decode_manifest), (COMMIT, decode_marker)):
         doc = json.loads((GOLDEN_ROOT / STEP_DIR / name).read_bytes())
         doc["version"] = version
@@ -661,7 +685,8 @@ def test_schema_describes_what_writers_write_for_replicated(validators: dict[str
 
 # ------------------------------------------------------ commit marker: optional metrics
 
-METRICS_ROOT = HERE / "golden" / "v1-metrics"
+METRICS_ROOT = HERE / "golden" / "v2-metrics"  # what the writer writes now
+V1_METRICS_ROOT = HERE / "golden" / "v1-metrics"  # written by version-1 writers: must still read
 METRICS_STEP = 42
 
 
@@ -721,23 +746,26 @@ def test_marker_with_metrics_matches_golden_bytes(tmp_path: Path) -> None:
     assert marker["metrics"]["big"] == {"t": "int", "v": str(-(2**100))}
 
 
-def test_golden_metrics_read_back_exactly_without_loading_tensors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", [V1_METRICS_ROOT, METRICS_ROOT], ids=["v1", "v2"])
+def test_golden_metrics_read_back_exactly_without_loading_tensors(tmp_path: Path, source: Path) -> None:
     root = tmp_path / "ckpt"
-    shutil.copytree(METRICS_ROOT, root)
+    shutil.copytree(source, root)
     (root / naming.step_dir_name(METRICS_STEP) / SHARD).unlink()  # no tensor byte is needed
     with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
         same_metrics(ckpt.metrics(METRICS_STEP), expected_metrics())
         with pytest.raises(tiercheck.NoCheckpointError):
             ckpt.metrics(7)
-    same_metrics(dict(decode_marker((METRICS_ROOT / naming.step_dir_name(METRICS_STEP) / COMMIT).read_bytes(),
+    same_metrics(dict(decode_marker((source / naming.step_dir_name(METRICS_STEP) / COMMIT).read_bytes(),
                                     "m").metrics), expected_metrics())  # fmt: skip
-    assert tiercheck.load(METRICS_ROOT)["w"].equal(torch.arange(3.0))
+    assert tiercheck.load(source)["w"].equal(torch.arange(3.0))
 
 
-def test_markers_without_metrics_still_read(tmp_path: Path) -> None:
-    assert decode_marker((GOLDEN_ROOT / STEP_DIR / COMMIT).read_bytes(), "old").metrics == ()
+@READ_ROOTS
+def test_markers_without_metrics_still_read(tmp_path: Path, root: Path) -> None:
+    assert decode_marker((root / STEP_DIR / COMMIT).read_bytes(), "old").metrics == ()
+    source = root
     root = tmp_path / "ckpt"
-    shutil.copytree(GOLDEN_ROOT, root)
+    shutil.copytree(source, root)
     with tiercheck.Checkpointer(local=root, keep_local=None) as ckpt:
         assert ckpt.metrics(STEP) == {}
 
@@ -751,8 +779,9 @@ def test_format_doc_metrics_example_is_what_the_writer_produces(tmp_path: Path, 
 
 
 def test_schema_accepts_the_golden_marker_with_metrics(validators: dict[str, Any]) -> None:
-    marker = json.loads((METRICS_ROOT / naming.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
-    assert _errors(validators["marker"], marker) == []
+    for root in (V1_METRICS_ROOT, METRICS_ROOT):
+        marker = json.loads((root / naming.step_dir_name(METRICS_STEP) / COMMIT).read_bytes())
+        assert _errors(validators["marker"], marker) == []
 
 
 BAD_METRICS = [

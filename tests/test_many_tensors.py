@@ -439,7 +439,7 @@ def test_bulk_entry_decoding_equals_one_by_one() -> None:
     doc = _manifest_doc(5000)
     raw = json.loads(json.dumps(doc["entries"]))
     files = {doc["files"][0]["name"]: 4096 * 5000}
-    one_by_one = [manifest._entry(e, i, files, "m") for i, e in enumerate(raw)]
+    one_by_one = [manifest._entry(e, i, files, "m", manifest._DTensorRules(2, "crc32c")) for i, e in enumerate(raw)]
     got = manifest.decode_manifest(json.dumps(doc).encode(), "m").entries
     assert list(got) == one_by_one
     assert got[4321].path == "state['p4321']" and got[4321].offset == 4096 * 4321
