@@ -259,6 +259,23 @@ class SharedMemoryTier(LocalTier):
                         os.unlink(path)
             os.rmdir(folder)
 
+    def claim_writer(self, rank: int, world_size: int) -> list[str]:
+        """As on tier 1 (the writer lock, then this rank's leftovers), and this rank's buffers
+        that a process of this rank left in the buffers folder when it died (no step holds
+        them, and the lock says no live process writes this rank): without this, every killed
+        process would leave its free buffers in shared memory until the job ends."""
+        removed = super().claim_writer(rank, world_size)
+        with self.lock:
+            for entry in _entries(self.buffers_dir):
+                m = _BUFFER_RE.fullmatch(entry.name)
+                if m is None or int(m.group(1)) != rank or any(b.owns(entry.path) for b in self._buffers):
+                    continue
+                with contextlib.suppress(OSError):
+                    if entry.is_file(follow_symlinks=False):
+                        os.unlink(entry.path)
+                        removed.append(entry.path)
+        return removed
+
     def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
         self.write_job_file()
         os.makedirs(self.root, exist_ok=True)
