@@ -4,7 +4,7 @@ phase of the save path, then check what it left on every tier (the campaign and 
 
 Usage::
 
-    python scripts/crash_campaign.py --kills 1000 [--seed N] [--widen 0.02] [--local-only]
+    python scripts/crash_campaign.py --kills 1000 [--seed N] [--widen 0.02] [--local-only] [--memory]
 
 It prints a progress line every 50 kills and the figures as markdown tables; the exit
 status is 1 if any check failed. ``tests/test_crash.py`` runs the same campaign CI-sized.
@@ -46,13 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--widen", type=float, default=Config.widen_s, help="pause (s) at each dangerous instant")
     p.add_argument("--local-only", action="store_true", help="tier 1 only (keep_local=3)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="tier 0 too (memory=True, keep_memory=1; with --local-only: tiers 0 and 1)",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="where the tiers live (default: a temp dir)")
     opts = p.parse_args(argv)
     seed = opts.seed if opts.seed is not None else random.SystemRandom().randrange(2**32)
     config = (
-        Config(remote=False, keep_local=worker.KEEP_LOCAL, widen_s=opts.widen, wipe_local=0.0)
+        Config(remote=False, keep_local=worker.KEEP_LOCAL, widen_s=opts.widen, wipe_local=0.0, memory=opts.memory)
         if opts.local_only
-        else Config(widen_s=opts.widen)
+        else Config(widen_s=opts.widen, memory=opts.memory)
     )
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="tiercheck-crash-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         if opts.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     print(figures.summary())
-    print(f"tiercheck at {git_revision()}, {os.cpu_count()} CPUs, widen {config.widen_s}s")
+    tiers = "tiers 0, 1" if config.memory else "tier 1"
+    tiers += ", 2" if config.remote else ""
+    print(f"tiercheck at {git_revision()}, {os.cpu_count()} CPUs, widen {config.widen_s}s, {tiers}")
     print()
     print(figures.table(config))
     for failure in figures.failures[:20]:

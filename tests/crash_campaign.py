@@ -13,6 +13,13 @@ The phases still open in the worker's output when it died are the phases it inte
 A directory lives through 1 to 4 kills: each restart resumes from the restored step, and
 now and then tier 1 is wiped first (the node was replaced; tier 2 must carry the run).
 
+With ``Config(memory=True)`` the worker also keeps every step on tier 0 (``memory=True``,
+memory_dir in the run's directory, a fixed job id, keep_memory=1), and kills are aimed at
+tier 0's phases too: the copy into the shared buffer (staging, paused half done), the
+buffer moved into the tier-0 step, the tier-0 commit, ``take_back`` (each life runs with
+host_buffers 1, where every save takes back the buffer holding the newest tier-0 step, or
+2) and tier-0 retention. Now and then a restart begins with tier 0 wiped (the node lost).
+
 After every kill, before anything else touches the tiers:
 
 * each tier lists exactly the step directories holding a COMMIT marker, and every listed
@@ -20,11 +27,18 @@ After every kill, before anything else touches the tiers:
 * every step the worker reported durable on a tier is still listed there, unless
   ``keep`` newer steps are listed there (what retention may legitimately delete);
 
-then a fresh ``Checkpointer`` on both tiers: ``restore()`` returns the newest listed step,
-bit-exact, without skipping a damaged one, and changes nothing on either tier (a reader);
+* tier 0 likewise lists exactly its step directories with a COMMIT, each loads bit-exact
+  (``tiercheck.load`` on the tier-0 root: a local directory of the one format), and keeps
+  the newest step it reported unless a save began to take its buffer back;
+
+then a fresh ``Checkpointer`` on all tiers (with tier 0: memory=True, the same job id, on a
+copy of the memory_dir, since a finished job's close() removes tier 0 and the next life
+must find it): ``restore()`` returns the newest listed step of all tiers, bit-exact, from
+tier 0 when tier 0 holds it, without skipping a damaged one, and changes nothing on tier 1;
 its ``prepare()`` (a restarted job's first write) removes the tier-1 leftovers and uploads
-every tier-1 step that tier 2 lacks and would keep, each checked bit-exact; and a fresh
-node (tier 2 alone) restores the newest step listed there.
+every tier-1 step that tier 2 lacks and would keep, each checked bit-exact, and removes
+what the killed process left in tier 0 (temp step dirs, free buffers); and a fresh node
+(tier 2 alone) restores the newest step listed there.
 
 Figures: kills run and per phase, torn or partial restores (must be 0), committed steps
 lost (must be 0).
@@ -54,12 +68,14 @@ from tests import crash_worker as worker
 from tiercheck.format import naming
 from tiercheck.plan.retention import as_policy, plan_catch_up
 from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.memory import BUFFERS_DIR, ROOT_PREFIX, job_key
 from tiercheck.tiers.remote import RemoteTier
 
 WORKER_PATH = Path(__file__).with_name("crash_worker.py")
 
 LOCAL_TARGETS = ("staging", "local-write", "local-commit", "local-prune")
 REMOTE_TARGETS = ("upload", "remote-commit", "remote-prune")
+MEMORY_TARGETS = ("memory-write", "memory-commit", "memory-takeback", "memory-prune")
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,11 @@ class Config:
         wipe_local: chance that a restart begins with tier 1 wiped (two tiers only).
         spawn: chance that a worker is a fresh interpreter rather than a fork.
         aim_timeout_s: kill anyway if the aimed phase has not started by then.
+        memory: tier 0 too (``memory=True``, memory_dir in the run's directory, job id
+            `worker.JOB_ID`, keep_memory=1); each life runs with host_buffers 1 (every save
+            takes back the buffer holding the newest tier-0 step) or 2 (the default: tier-0
+            retention frees the older step's buffer).
+        wipe_memory: chance that a restart begins with tier 0 wiped (the node was lost).
     """
 
     remote: bool = True
@@ -86,10 +107,12 @@ class Config:
     wipe_local: float = 0.1
     spawn: float = 0.03
     aim_timeout_s: float = 6.0
+    memory: bool = False
+    wipe_memory: float = 0.15
 
     @property
     def targets(self) -> tuple[str, ...]:
-        return LOCAL_TARGETS + (REMOTE_TARGETS if self.remote else ())
+        return LOCAL_TARGETS + (MEMORY_TARGETS if self.memory else ()) + (REMOTE_TARGETS if self.remote else ())
 
 
 @dataclass
@@ -99,6 +122,7 @@ class Figures:
     restarts: int = 0
     spawned: int = 0
     wiped: int = 0
+    memory_wiped: int = 0
     per_phase: Counter[str] = field(default_factory=Counter)  # kills that interrupted the phase
     aimed: Counter[str] = field(default_factory=Counter)
     aimed_hits: Counter[str] = field(default_factory=Counter)
@@ -106,6 +130,9 @@ class Figures:
     torn_restores: int = 0
     committed_lost: int = 0
     leftovers_cleaned: int = 0  # tier-1 temp/trash dirs a kill left and the next start removed
+    memory_leftovers: int = 0  # tier-0 temp dirs and free buffers a kill left (removed at the next start)
+    resumed_from: Counter[str] = field(default_factory=Counter)  # the workers' restores, by tier
+    checked_from: Counter[str] = field(default_factory=Counter)  # the checking restores, by tier
     remote_orphans: set[tuple[int, int]] = field(default_factory=set)  # (run, step): no marker
     marker_cuts: set[tuple[int, int]] = field(default_factory=set)  # known bug, see tests
     stuck_runs: int = 0  # runs whose only listed steps had cut markers: no restart possible
@@ -123,7 +150,13 @@ class Figures:
             f"committed steps lost {self.committed_lost}, leftovers cleaned {self.leftovers_cleaned}, "
             f"remote orphans {len(self.remote_orphans)}, cut remote markers {len(self.marker_cuts)} "
             f"({self.stuck_runs} runs stuck), "
-            f"{self.elapsed_s:.1f}s"
+            + (
+                f"tier 0 wiped {self.memory_wiped}, tier-0 leftovers {self.memory_leftovers}, "
+                f"resumed from {dict(self.resumed_from)}, checked restores from {dict(self.checked_from)}, "
+                if self.memory_wiped or self.resumed_from.get("memory") or self.steps_checked.get("memory")
+                else ""
+            )
+            + f"{self.elapsed_s:.1f}s"
         )
 
     def table(self, config: Config) -> str:
@@ -140,6 +173,17 @@ class Figures:
             f"| marker-less step dirs left on tier 2 (never listed) | {len(self.remote_orphans)} |",
             f"| tier-2 markers cut by the kill (listed, not loadable) | {len(self.marker_cuts)} |",
             f"| runs that could not restart (only cut markers listed) | {self.stuck_runs} |",
+        ]
+        if config.memory:
+            resumed = ", ".join(f"{t} {n}" for t, n in sorted(self.resumed_from.items()))
+            checked_from = ", ".join(f"{t} {n}" for t, n in sorted(self.checked_from.items()))
+            rows += [
+                f"| restarts that began with tier 0 wiped (node lost) | {self.memory_wiped} |",
+                f"| workers' restores, by the tier read | {resumed} |",
+                f"| checking restores (fresh Checkpointer, memory=True), by the tier read | {checked_from} |",
+                f"| tier-0 temp dirs and dead processes' free buffers left by a kill | {self.memory_leftovers} |",
+            ]
+        rows += [
             f"| check failures | {len(self.failures)} |",
             f"| seed, wall time | {self.seed}, {self.elapsed_s:.0f} s |",
             "",
@@ -341,15 +385,26 @@ def verify(
     trial: str,
     run: int = 0,
     tolerate_marker_cuts: bool = True,
+    memory: Path | None = None,
+    taken_back: set[int] | None = None,
 ) -> tuple[set[int], set[int]]:
-    """Check both tiers after a kill (see the module docstring); return the listed steps
-    that load bit-exact from some tier and those listed only through a cut marker."""
+    """Check every tier after a kill (see the module docstring); return the listed steps
+    that load bit-exact from some tier and those listed only through a cut marker.
+
+    `memory`: tier 0's memory_dir (None: no tier 0); `taken_back`: the steps whose buffer a
+    save began to take back (tier 0 may have dropped them: memory is reused, not durable)."""
     urls = {"local": str(local)}
     if remote is not None:
         urls["remote"] = f"file://{remote}"
-    keep = {"local": config.keep_local, "remote": config.keep_remote}
+    keep = {"local": config.keep_local, "remote": config.keep_remote, "memory": 1}
     names = os.listdir(local) if local.is_dir() else []
     figures.leftovers_cleaned += sum(naming.is_leftover(n) for n in names)
+    mem_root = None if memory is None else memory / (ROOT_PREFIX + job_key(worker.JOB_ID))
+    mem_left: list[str] = []
+    if mem_root is not None:
+        urls["memory"] = str(mem_root)  # a local directory of the one format: tiercheck.load reads it
+        mem_left = memory_leftovers(mem_root)
+        figures.memory_leftovers += len(mem_left)
 
     # 1. What the kill left, read before anything touches the tiers.
     listed: dict[str, list[int]] = {"local": LocalTier(local).committed_steps()}
@@ -358,6 +413,11 @@ def verify(
         listed["remote"] = RemoteTier(urls["remote"]).committed_steps()
         raw["remote"], orphans = step_dirs(remote)
         figures.remote_orphans.update((run, s) for s in orphans)
+    if mem_root is not None:
+        listed["memory"] = LocalTier(
+            mem_root, name="memory", direct_io=False, fsync=False, recycle=False
+        ).committed_steps()
+        raw["memory"] = step_dirs(mem_root)[0]
     good: set[int] = set()
     cut: set[int] = set()
     for tier, steps in listed.items():
@@ -377,14 +437,27 @@ def verify(
 
     # 2. Durable means durable: only retention may remove a reported step, and only once
     #    `keep` newer steps are listed on that tier.
+    #    Tier 0 (keep_memory=1) keeps the newest step it reported, unless a save began to
+    #    take its buffer back: memory is reused, and the step is on tier 1 by then.
     for tier, steps in listed.items():
         for r in sorted(set(reported.get(tier, []))):
+            if tier == "memory" and (r in (taken_back or set()) or max(reported[tier]) > r):
+                continue
             if r not in steps and sum(s > r for s in steps) < keep[tier]:
                 figures.committed_lost += 1
                 figures.fail(f"{trial}: step {r} was reported durable on tier {tier}, which now lists {steps}")
 
-    # 3. A fresh Checkpointer on both tiers restores the newest listed step.
+    # 3. A fresh Checkpointer on every tier restores the newest listed step. With tier 0 it
+    #    runs on a copy of the memory_dir: a checking Checkpointer is a job that finishes,
+    #    and a finished job's close() removes its tier-0 files, which the next life must find.
     expected = max(good, default=None)
+    check_mem = None
+    tier0: dict[str, object] = {}
+    if memory is not None and mem_root is not None:
+        check_mem = memory.parent / (memory.name + "-check")
+        shutil.rmtree(check_mem, ignore_errors=True)
+        shutil.copytree(memory, check_mem, symlinks=True)
+        tier0 = {"memory": True, "memory_dir": str(check_mem), "job_id": worker.JOB_ID, "keep_memory": 1}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckpt = tiercheck.Checkpointer(
@@ -393,10 +466,15 @@ def verify(
             keep_local=config.keep_local,
             keep_remote=config.keep_remote if remote is not None else None,
             remote_retry_budget=5.0,
+            **tier0,  # type: ignore[arg-type]
         )
         try:
             before = sorted(os.listdir(local)) if local.is_dir() else []
-            check_restore(ckpt, expected, bool(cut), figures, f"{trial}: restore()")
+            tier_read = check_restore(ckpt, expected, bool(cut), figures, f"{trial}: restore()")
+            if check_mem is not None and tier_read is not None:
+                figures.checked_from[tier_read] += 1
+                if expected is not None and expected in listed["memory"] and tier_read != "memory":
+                    figures.fail(f"{trial}: tier 0 holds the newest step {expected}, restore read it from {tier_read}")
             after = sorted(os.listdir(local)) if local.is_dir() else []
             if after != before:
                 figures.fail(f"{trial}: a Checkpointer that only restored changed tier 1: {before} -> {after}")
@@ -411,6 +489,10 @@ def verify(
             )
             if left:
                 figures.fail(f"{trial}: tier-1 leftovers after a fresh Checkpointer started writing: {left}")
+            if check_mem is not None:
+                still = set(memory_leftovers(check_mem / mem_root.name)) & set(mem_left)  # type: ignore[union-attr]
+                if still:
+                    figures.fail(f"{trial}: tier-0 leftovers of the killed process after a restart: {sorted(still)}")
             if remote is not None:
                 now = RemoteTier(urls["remote"]).committed_steps()
                 owed = plan_catch_up(listed["local"], listed["remote"], as_policy(config.keep_remote, "keep_remote"))
@@ -432,6 +514,8 @@ def verify(
         left = sorted(n for n in (os.listdir(local) if local.is_dir() else []) if naming.is_leftover(n))
         if left:
             figures.fail(f"{trial}: tier-1 leftovers after the checking Checkpointer closed: {left}")
+        if check_mem is not None:
+            shutil.rmtree(check_mem, ignore_errors=True)
     _check_warnings(caught, cut, figures, trial)
 
     # 4. A fresh node (tier 2 alone) restores the newest step listed there.
@@ -445,18 +529,31 @@ def verify(
     return good, cut - good
 
 
-def check_restore(ckpt: tiercheck.Checkpointer, expected: int | None, cut: bool, figures: Figures, who: str) -> None:
+def memory_leftovers(root: Path) -> list[str]:
+    """What a killed process left in a tier-0 root besides committed steps: temp step dirs
+    (a buffer moved in, no marker yet) and free buffers (``.tiercheck-buffers/``)."""
+    names = [n for n in (os.listdir(root) if root.is_dir() else []) if naming.is_leftover(n)]
+    buffers = root / BUFFERS_DIR
+    names += [f"{BUFFERS_DIR}/{n}" for n in (os.listdir(buffers) if buffers.is_dir() else [])]
+    return sorted(names)
+
+
+def check_restore(
+    ckpt: tiercheck.Checkpointer, expected: int | None, cut: bool, figures: Figures, who: str
+) -> str | None:
     """`ckpt.restore()` must return `expected` (the newest listed step with a good copy),
-    bit-exact. If there is none but cut markers are listed, it may raise instead."""
+    bit-exact. If there is none but cut markers are listed, it may raise instead. Returns
+    the tier the restore read (None: nothing restored)."""
     template = worker.make_state(0)
     try:
-        got = ckpt.restore(template)
+        with worker.RestoreEvents() as events:
+            got = ckpt.restore(template)
     except tiercheck.CheckpointCorruptedError as exc:
         if expected is None and cut:
-            return  # only steps with a cut marker are listed: the known bug, counted above
+            return None  # only steps with a cut marker are listed: the known bug, counted above
         figures.torn_restores += 1
         figures.fail(f"{who} raised {exc}")
-        return
+        return None
     if got != expected:
         figures.torn_restores += 1
         figures.fail(f"{who} returned step {got}, the newest listed step with a good copy is {expected}")
@@ -465,6 +562,7 @@ def check_restore(ckpt: tiercheck.Checkpointer, expected: int | None, cut: bool,
         if why is not None:
             figures.torn_restores += 1
             figures.fail(f"{who} gave step {got}, not bit-exact: {why}")
+    return None if got is None else events.tier()
 
 
 def _check_warnings(caught: list[warnings.WarningMessage], cut: set[int], figures: Figures, trial: str) -> None:
@@ -481,10 +579,21 @@ def _check_warnings(caught: list[warnings.WarningMessage], cut: set[int], figure
 # ------------------------------------------------------------------------ campaign
 
 
-def worker_args(local: Path, remote: Path | None, config: Config, extra: tuple[str, ...] = ()) -> list[str]:
+def worker_args(
+    local: Path,
+    remote: Path | None,
+    config: Config,
+    extra: tuple[str, ...] = (),
+    memory: Path | None = None,
+    host_buffers: int | None = None,
+) -> list[str]:
     args = [str(local), "--keep-local", str(config.keep_local), "--widen", str(config.widen_s)]
     if remote is not None:
         args += ["--remote", str(remote), "--keep-remote", str(config.keep_remote)]
+    if memory is not None:
+        args += ["--memory", str(memory)]
+        if host_buffers is not None:
+            args += ["--host-buffers", str(host_buffers)]
     return args + list(extra)
 
 
@@ -507,7 +616,11 @@ def run_campaign(
             base = workdir / f"run{run:04d}"
             local = base / "local"
             remote = base / "remote" if config.remote else None
-            reported: dict[str, list[int]] = {"local": [], "remote": []}
+            memory = base / "memory" if config.memory else None
+            if memory is not None:
+                memory.mkdir(parents=True, exist_ok=True)
+            reported: dict[str, list[int]] = {"local": [], "remote": [], "memory": []}
+            taken_back: set[int] = set()
             for life in range(rng.choice(config.lives)):
                 if figures.kills >= kills:
                     break
@@ -516,18 +629,31 @@ def run_campaign(
                     shutil.rmtree(local, ignore_errors=True)  # the node was replaced
                     reported["local"] = []
                     figures.wiped += 1
+                if life and memory is not None and rng.random() < config.wipe_memory:
+                    shutil.rmtree(memory, ignore_errors=True)  # the node was lost (or rebooted)
+                    memory.mkdir()
+                    reported["memory"] = []
+                    figures.memory_wiped += 1
                 target = targets[figures.kills % len(targets)] if rng.random() < config.aimed else None
+                buffers = None
+                if memory is not None:  # 1: every save takes back the newest step's buffer
+                    buffers = {"memory-takeback": 1, "memory-prune": 2}.get(target or "", rng.choice((1, 2)))
                 out = base / f"life{life}.out"
-                tail = _kill_one(zygote, rng, config, figures, local, remote, out, target, trial)
+                tail = _kill_one(zygote, rng, config, figures, local, remote, out, target, trial, memory, buffers)
                 figures.restarts += life > 0
                 for line in tail.lines:
                     if line.startswith(("torn", "error")):
                         figures.torn_restores += line.startswith("torn")
                         figures.fail(f"{trial}: the worker printed: {line}")
+                    words = line.split()
+                    if words[:1] == ["resumed"] and len(words) == 3:
+                        figures.resumed_from[words[2]] += 1
                 reported["local"] += tail.numbers("durable", "local")
                 reported["remote"] += tail.numbers("durable", "remote")
+                reported["memory"] += tail.numbers("durable", "memory")
+                taken_back.update(tail.numbers("enter", "memory-takeback"))
                 try:
-                    good, cut = verify(local, remote, reported, config, figures, trial, run)
+                    good, cut = verify(local, remote, reported, config, figures, trial, run, True, memory, taken_back)
                 except Exception as exc:  # keep the campaign going; the failure is in the figures
                     figures.fail(f"{trial}: checking raised {type(exc).__name__}: {exc}")
                     break
@@ -554,11 +680,13 @@ def _kill_one(
     out: Path,
     target: str | None,
     trial: str,
+    memory: Path | None = None,
+    host_buffers: int | None = None,
 ) -> Tail:
     """Start a worker, kill it at an instant aimed at `target` (or at random), reap it;
     return its output."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    args = worker_args(local, remote, config)
+    args = worker_args(local, remote, config, memory=memory, host_buffers=host_buffers)
     tail = Tail(out)
     spawn = rng.random() < config.spawn
     proc: subprocess.Popen[bytes] | None = None

@@ -6,12 +6,15 @@ the tiers afterwards knows the exact bytes every committed step must hold.
 Modes::
 
     python crash_worker.py run LOCAL_DIR [--remote DIR] [--keep-local N] [--keep-remote N]
+                               [--memory DIR [--host-buffers N]]
                                [--widen S] [--kill-at POINT [--kill-step N]] [--max-steps N]
-        Open a Checkpointer on LOCAL_DIR (and on ``file://DIR`` as tier 2 with --remote),
+        Open a Checkpointer on LOCAL_DIR (and on ``file://DIR`` as tier 2 with --remote; with
+        --memory, tier 0 too: ``memory=True, memory_dir=DIR, job_id=JOB_ID, keep_memory=1``),
         restore the newest step if any (and check it bit-exact against `make_state`), then
-        save latest+1, latest+2, ... After each save it waits until the step is durable on
-        tier 1 and prints ``durable local N``; it prints ``durable remote N`` once an upload
-        it did not wait for has finished (``skipped remote N`` when a newer step overtook it).
+        save latest+1, latest+2, ... After each save it waits until the step is kept on
+        tier 0 (with --memory: ``durable memory N``), then durable on tier 1 (``durable local
+        N``); it prints ``durable remote N`` once an upload it did not wait for has finished
+        (``skipped remote N`` when a newer step overtook it).
 
     python crash_worker.py zygote
         Import torch and tiercheck once, then serve requests read from stdin, one a line,
@@ -26,14 +29,20 @@ Phases. The ``run`` mode wraps tier methods (in the worker process only) to prin
 ``enter PHASE STEP`` / ``leave PHASE STEP`` around each phase of the save path, so the
 campaign can aim a kill at a phase and afterwards tell which phases a kill interrupted:
 staging, local-write, local-commit, local-prune, upload, remote-commit, remote-prune (and
-startup, restore). With ``--widen S`` each phase also sleeps about S seconds at its
-dangerous instants (a shard half uploaded, a marker written but not renamed, a step
-renamed to trash, a remote marker deleted before the data), so that a random kill lands
-there often enough. ``--kill-at POINT`` makes the worker SIGKILL itself at exactly one of
-`KILL_POINTS`, the first time it passes it at a step >= ``--kill-step``.
+startup, restore); with --memory also memory-write (the host buffer moved into a tier-0
+step, its manifest), memory-commit, memory-takeback (a save about to overwrite the buffer
+that holds the newest tier-0 step hides that step and moves the buffer back: with
+``--host-buffers 1`` every save does) and memory-prune (tier-0 retention). With
+``--widen S`` each phase also sleeps about S seconds at its dangerous instants (a shard half
+uploaded, a marker written but not renamed, a step renamed to trash, a remote marker
+deleted before the data; with --memory also half of the state copied into the shared
+buffer, the buffer moved into the step, a tier-0 marker written but not renamed, a tier-0
+marker removed by take_back or retention before the buffer or files go), so that a random
+kill lands there often enough. ``--kill-at POINT`` makes the worker SIGKILL itself at
+exactly one of `KILL_POINTS`, the first time it passes it at a step >= ``--kill-step``.
 
-Other lines: ``ready`` (imports done, before the Checkpointer starts), ``resumed N``
-(restored step N and it matched), ``torn N <why>`` (restored step N did not match: exit
+Other lines: ``ready`` (imports done, before the Checkpointer starts), ``resumed N TIER``
+(restored step N from TIER, and it matched), ``torn N <why>`` (restored step N did not match: exit
 status 3), ``suicide POINT N`` (just before a --kill-at kill), ``error ...`` (an
 unexpected exception: exit status 4), ``done``.
 """
@@ -41,6 +50,8 @@ unexpected exception: exit status 4), ``done``.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import math
 import os
 import re
@@ -48,6 +59,7 @@ import shutil
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -59,6 +71,7 @@ import torch
 import tiercheck
 
 KEEP_LOCAL = 3  # the local-only campaign's default
+JOB_ID = "crash"  # tier 0's job identity: every life of a campaign run finds its memory again
 
 PHASES = (
     "startup",
@@ -70,6 +83,10 @@ PHASES = (
     "upload",
     "remote-commit",
     "remote-prune",
+    "memory-write",
+    "memory-commit",
+    "memory-takeback",
+    "memory-prune",
 )
 
 KILL_POINTS = (
@@ -83,6 +100,12 @@ KILL_POINTS = (
     "remote-marker-created",  # the marker's temp file exists (file://), still empty
     "remote-committed",  # the marker upload returned
     "remote-marker-removed",  # remote retention removed the marker, not yet the data
+    "memory-copy-partial",  # half of the first batch of leaves copied into the shared buffer
+    "memory-buffer-moved",  # the buffer renamed into tier 0's temp step dir, no manifest yet
+    "memory-marker-written",  # tier-0 COMMIT in the temp dir, not yet renamed
+    "memory-committed",  # tier-0 step renamed into place; tier 1 not yet written
+    "memory-takeback-hidden",  # take_back removed the newest tier-0 step's marker, buffer still in it
+    "memory-prune-hidden",  # tier-0 retention removed a marker, the step's files not yet
 )
 
 UPLOAD_PIECE = 512 << 10  # with --widen, uploads are cut into pieces with pauses between
@@ -186,16 +209,23 @@ def _step_of(path: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: str | None) -> None:
+def instrument(
+    widen: float, kill_at: str | None, kill_step: int, remote_root: str | None, memory: bool = False
+) -> None:
     """Wrap tier methods (in this process) to print phase markers, pause `widen` seconds at
     the dangerous instants, and SIGKILL this process at `kill_at`."""
     from fsspec.implementations import local as fs_local
 
     from tiercheck import checkpointer as ckpt_mod
     from tiercheck.engine import stager as stager_mod
+    from tiercheck.steps import stage as stage_mod
     from tiercheck.tiers import local as local_mod
+    from tiercheck.tiers import memory as memory_mod
     from tiercheck.tiers import recycle as recycle_mod
     from tiercheck.tiers import remote as remote_mod
+
+    def in_memory(tier: Any) -> bool:  # tier 0 is a LocalTier too: its calls get its own phases
+        return isinstance(tier, memory_mod.SharedMemoryTier)
 
     def nap(fraction: float) -> None:
         if widen > 0:
@@ -245,7 +275,7 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
     def local_writer_write(orig: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(self: Any, name: str, *a: Any, **k: Any) -> Any:
             n = orig(self, name, *a, **k)
-            if name.endswith(".shard"):
+            if name.endswith(".shard") and not in_memory(self._tier):
                 point("local-shard-written", self._step)
             nap(0.5)
             return n
@@ -254,19 +284,23 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
 
     def local_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(self: Any, *a: Any, **k: Any) -> None:
-            say(f"leave local-write {self._step}")
-            say(f"enter local-commit {self._step}")
+            tier = "memory" if in_memory(self._tier) else "local"
+            say(f"leave {tier}-write {self._step}")
+            say(f"enter {tier}-commit {self._step}")
             orig(self, *a, **k)
-            point("local-committed", self._step)
-            say(f"leave local-commit {self._step}")
+            point(f"{tier}-committed", self._step)
+            if tier == "memory":
+                nap(0.5)  # tier 0 holds the step, tier 1 does not yet
+            say(f"leave {tier}-commit {self._step}")
 
         return wrapper
 
     def local_abort(orig: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(self: Any, *a: Any, **k: Any) -> None:
             orig(self, *a, **k)
-            say(f"leave local-write {self._step}")
-            say(f"leave local-commit {self._step}")
+            tier = "memory" if in_memory(self._tier) else "local"
+            say(f"leave {tier}-write {self._step}")
+            say(f"leave {tier}-commit {self._step}")
 
         return wrapper
 
@@ -274,7 +308,7 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
         def wrapper(self: Any, path: str, *a: Any, **k: Any) -> None:
             orig(self, path, *a, **k)
             if os.path.basename(path) == "COMMIT":  # in the temp dir, before the rename
-                point("local-marker-written", _step_of(path))
+                point("memory-marker-written" if in_memory(self) else "local-marker-written", _step_of(path))
                 nap(1.0)
 
         return wrapper
@@ -329,6 +363,8 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
     local_mod.LocalTier.RECYCLE_MIN = 1 << 20
     shutil.rmtree = rmtree_paused  # type: ignore[assignment]
 
+    if memory:
+        instrument_memory(memory_mod, stage_mod, nap, point, saving, widen > 0 or kill_at is not None)
     if remote_root is None:
         return
 
@@ -431,6 +467,106 @@ def instrument(widen: float, kill_at: str | None, kill_step: int, remote_root: s
     wrap(fs_local.LocalFileOpener, "_open", opener_open)
 
 
+def instrument_memory(
+    memory_mod: Any,
+    stage_mod: Any,
+    nap: Callable[[float], None],
+    point: Callable[[str, int], None],
+    saving: dict[str, int],
+    active: bool,
+) -> None:
+    """Tier 0's phases: the copy into the shared buffer (half done), the buffer moved into
+    the step (write_file's rename), the commit (see `local_commit`: tier 0's writer is a
+    tier-1 writer), `take_back` and retention (a marker removed, the rest not yet)."""
+    context = threading.local()  # which tier-0 operation is removing a marker: take_back or prune
+
+    def wrap(owner: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        setattr(owner, attr, make(getattr(owner, attr)))
+
+    def copy_cpu(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(group: Any, flat: Any, changed: Any) -> None:
+            if active and group.cpu_batches:
+                # Copy the first half of the first batch, pause there (the shared buffer half
+                # written), then let the real copy do all of it (the first half again: same bytes).
+                a, b = group.cpu_batches[0]
+                half = a + max(1, (b - a) // 2)
+                sources = flat.sources if group.all_sources else [flat.sources[i] for i in group.cpu]
+                with torch.no_grad():
+                    torch._foreach_copy_(group.cpu_dst[a:half], list(sources[a:half]))
+                point("memory-copy-partial", saving["step"])
+                nap(0.5)
+            orig(group, flat, changed)
+
+        return wrapper
+
+    def open_step(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, step: int, *a: Any, **k: Any) -> Any:
+            say(f"enter memory-write {step}")
+            return orig(self, step, *a, **k)
+
+        return wrapper
+
+    def write_file(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, name: str, data: Any, *a: Any, **k: Any) -> int:
+            n = int(orig(self, name, data, *a, **k))
+            if name.endswith(".shard"):  # the buffer is the shard now, in the temp dir
+                point("memory-buffer-moved", self._step)
+                nap(1.0)
+            return n
+
+        return wrapper
+
+    def take_back(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, buf: Any) -> Any:
+            step = _step_of(os.path.dirname(buf.path))
+            if step < 0:  # the buffer holds no step: nothing to take back
+                return orig(self, buf)
+            say(f"enter memory-takeback {step}")
+            context.op = "memory-takeback-hidden"
+            try:
+                out = orig(self, buf)
+            finally:
+                context.op = None
+            say(f"leave memory-takeback {step}")
+            return out
+
+        return wrapper
+
+    def delete_step(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, step: int, *a: Any, **k: Any) -> None:
+            say(f"enter memory-prune {step}")
+            context.op = "memory-prune-hidden"
+            try:
+                orig(self, step, *a, **k)
+            finally:
+                context.op = None
+            say(f"leave memory-prune {step}")
+
+        return wrapper
+
+    class _Os:
+        """memory.py's `os`: as os, but a marker removed by take_back or retention is a
+        dangerous instant (the step hidden, its buffer or files still in its directory)."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+        @staticmethod
+        def unlink(path: Any, *a: Any, **k: Any) -> None:
+            os.unlink(path, *a, **k)
+            op = getattr(context, "op", None)
+            if op and os.path.basename(os.fspath(path)) == "COMMIT":
+                point(op, _step_of(os.fspath(path)))
+                nap(1.0)
+
+    wrap(stage_mod, "_copy_cpu", copy_cpu)
+    wrap(memory_mod.SharedMemoryTier, "open_step", open_step)
+    wrap(memory_mod._MemoryStepWriter, "write_file", write_file)
+    wrap(memory_mod.SharedMemoryTier, "take_back", take_back)
+    wrap(memory_mod.SharedMemoryTier, "delete_step", delete_step)
+    memory_mod.os = _Os()
+
+
 # ------------------------------------------------------------------------------ run
 
 
@@ -440,6 +576,8 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--remote", default=None, help="a directory, used as file://DIR (tier 2)")
     p.add_argument("--keep-local", type=int, default=KEEP_LOCAL)
     p.add_argument("--keep-remote", type=int, default=None)
+    p.add_argument("--memory", default=None, help="tier 0's memory_dir (tier 0 on)")
+    p.add_argument("--host-buffers", type=int, default=None)
     p.add_argument("--widen", type=float, default=0.0)
     p.add_argument("--kill-at", choices=KILL_POINTS, default=None)
     p.add_argument("--kill-step", type=int, default=0)
@@ -450,7 +588,7 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
 def run(argv: list[str]) -> int:
     opts = parse_run_args(argv)
     remote_root = None if opts.remote is None else os.path.abspath(opts.remote)
-    instrument(opts.widen, opts.kill_at, opts.kill_step, remote_root)
+    instrument(opts.widen, opts.kill_at, opts.kill_step, remote_root, memory=opts.memory is not None)
     say("ready")
     try:
         return _run(opts, remote_root)
@@ -461,24 +599,30 @@ def run(argv: list[str]) -> int:
 
 def _run(opts: argparse.Namespace, remote_root: str | None) -> int:
     say("enter startup -")
+    tier0: dict[str, Any] = {}
+    if opts.memory is not None:
+        tier0 = {"memory": True, "memory_dir": opts.memory, "job_id": JOB_ID, "keep_memory": 1, "memory_peers": 0}
     ckpt = tiercheck.Checkpointer(
         local=opts.local,
         remote=None if remote_root is None else f"file://{remote_root}",
         keep_local=opts.keep_local,
         keep_remote=opts.keep_remote,
         remote_retry_budget=5.0,
+        host_buffers=opts.host_buffers,
+        **tier0,
     )
     say("leave startup -")
     template = make_state(0)
     say("enter restore -")
-    restored = ckpt.restore(template)
+    with RestoreEvents() as events:
+        restored = ckpt.restore(template)
     say("leave restore -")
     if restored is not None:
         why = mismatch(template, make_state(restored))
         if why is not None:
             say(f"torn {restored} {why}")
             return 3
-        say(f"resumed {restored}")
+        say(f"resumed {restored} {events.tier()}")
     step = 0 if restored is None else restored + 1
     uploading: list[Any] = []
 
@@ -495,6 +639,9 @@ def _run(opts: argparse.Namespace, remote_root: str | None) -> int:
 
     while step < opts.max_steps:
         handle = ckpt.save(step, make_state(step))
+        if opts.memory is not None:
+            handle.wait("memory")
+            say(f"durable memory {step}")
         handle.wait("local")
         say(f"durable local {step}")
         if remote_root is not None:
@@ -506,6 +653,38 @@ def _run(opts: argparse.Namespace, remote_root: str | None) -> int:
     ckpt.close()
     say("done")
     return 0
+
+
+class RestoreEvents(logging.Handler):
+    """Which tier a restore read (the ``restore`` event of ``tiercheck.events``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.tiers: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            event = json.loads(record.getMessage())
+        except ValueError:
+            return
+        if isinstance(event, dict) and event.get("event") == "restore":
+            self.tiers.append(str(event.get("tier")))
+
+    def tier(self) -> str:
+        return ",".join(self.tiers) or "?"
+
+    def __enter__(self) -> RestoreEvents:
+        log = logging.getLogger("tiercheck.events")
+        self._level = log.level
+        log.addHandler(self)
+        if not log.isEnabledFor(logging.INFO):
+            log.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        log = logging.getLogger("tiercheck.events")
+        log.removeHandler(self)
+        log.setLevel(self._level)
 
 
 def zygote() -> int:

@@ -9,18 +9,28 @@ for 1000 kills and prints the figures); these tests run it CI-sized:
   dangerous instants inside each phase), the rest at random instants; restarts resume the
   same tiers, sometimes after tier 1 was wiped;
 * tier 1 alone (keep_local=3), as the original campaign;
+* tier 0 with tier 1 (``memory=True``, keep_memory=1, host_buffers 1 or 2 per life): kills
+  aimed in turn at staging (the copy into the shared buffer), tier-0 write (the buffer moved
+  into the step), tier-0 commit, take_back, tier-0 retention and the tier-1 phases; restarts
+  sometimes begin with tier 0 wiped (node lost);
 * deterministic kill points: the worker SIGKILLs itself at one exact instant (a shard half
-  uploaded, a marker written but not renamed, ...), then a restart runs to completion.
+  uploaded, a marker written but not renamed, half the state copied into the shared buffer,
+  a tier-0 marker removed by take_back, ...), then a restart runs to completion.
 
 After every kill (see `crash_campaign.verify`): each tier lists exactly the step dirs with a
 COMMIT and every listed step loads bit-exact from that tier; every step reported durable on
 a tier is still listed there unless retention had `keep` newer ones; a fresh Checkpointer on
 both tiers leaves no tier-1 leftovers and `restore()` returns the newest listed step
 bit-exact without skipping a damaged one; a fresh node (tier 2 alone) restores the newest
-step on tier 2.
+step on tier 2. With tier 0: it lists exactly its step dirs with a COMMIT, each loads
+bit-exact (``tiercheck.load`` on the tier-0 root), the checking Checkpointer has memory=True
+and the same job_id (on a copy of the memory_dir, since its close() removes tier 0) and
+restores the newest step of all tiers, from tier 0 when tier 0 holds it, and a restart
+removes what the killed process left in tier 0 (temp step dirs, free buffers).
 
 Sizes: TIERCHECK_CRASH_TRIALS (two-tier kills, default 50, ~35 s),
-TIERCHECK_CRASH_LOCAL_TRIALS (tier-1-only kills, default 15); seed: TIERCHECK_CRASH_SEED.
+TIERCHECK_CRASH_LOCAL_TRIALS (tier-1-only kills, default 15), TIERCHECK_CRASH_MEMORY_TRIALS
+(tier 0 + tier 1 kills, default 24, ~20 s); seed: TIERCHECK_CRASH_SEED.
 """
 
 from __future__ import annotations
@@ -45,8 +55,6 @@ from tiercheck.tiers.local import LocalTier
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "fork") or sys.platform == "win32", reason="needs POSIX fork and SIGKILL"
 )
-
-
 
 
 def _seed() -> int:
@@ -86,6 +94,21 @@ def test_sigkill_at_random_instants_on_tier_1_alone(tmp_path: Path) -> None:
     config = campaign.Config(remote=False, keep_local=worker.KEEP_LOCAL, aimed=0.5, wipe_local=0.0, spawn=0.1)
     figures = campaign.run_campaign(kills, _seed(), tmp_path, config)
     _assert_clean(figures, kills)
+
+
+@pytest.mark.slow
+@pytest.mark.procs
+def test_sigkill_aimed_at_every_phase_of_tier_0_never_tears_or_loses_a_step(tmp_path: Path) -> None:
+    kills = int(os.environ.get("TIERCHECK_CRASH_MEMORY_TRIALS", "24"))
+    config = campaign.Config(memory=True, remote=False, wipe_memory=0.2)
+    figures = campaign.run_campaign(kills, _seed(), tmp_path, config)
+    print(figures.table(config))
+    _assert_clean(figures, kills)
+    assert figures.steps_checked["memory"] > 0
+    if kills >= 24:
+        assert figures.checked_from["memory"] > 0  # tier 0 held the newest step, and was read
+        hit = {p for p in campaign.MEMORY_TARGETS if figures.per_phase[p]}
+        assert len(hit) >= len(campaign.MEMORY_TARGETS) - 1, figures.table(config)
 
 
 # ---------------------------------------------------------------- exact kill points
@@ -154,6 +177,53 @@ def _crash_at(zygote: Any, tmp_path: Path, point: str, kill_step: int = 1) -> tu
 def test_sigkill_at_an_exact_instant_then_resume(zygote: Any, tmp_path: Path, point: str) -> None:
     assert point in worker.KILL_POINTS
     _crash_at(zygote, tmp_path, point)
+
+
+MEMORY_POINTS = {  # kill point: host_buffers, tier a restart right after it must restore from
+    "memory-copy-partial": (2, "memory"),  # the previous step is still on tier 0
+    "memory-buffer-moved": (2, "memory"),
+    "memory-marker-written": (2, "memory"),
+    "memory-committed": (2, "memory"),  # the killed step is on tier 0 alone
+    "memory-takeback-hidden": (1, "local"),  # tier 0 hid its only step: tier 1 has it
+    "memory-prune-hidden": (2, "memory"),
+}
+
+
+@pytest.mark.parametrize("point", sorted(MEMORY_POINTS))
+@pytest.mark.procs
+def test_sigkill_at_an_exact_tier_0_instant_then_resume(zygote: Any, tmp_path: Path, point: str) -> None:
+    """Tier 0 and tier 1: killed at `point` (at step 2 or the first pass after it), checked;
+    restarted, it restores the newest step from the expected tier, then saves 3 more steps."""
+    assert point in worker.KILL_POINTS
+    buffers, tier = MEMORY_POINTS[point]
+    config = campaign.Config(remote=False, memory=True)
+    local, memory = tmp_path / "local", tmp_path / "memory"
+    memory.mkdir()
+    figures = campaign.Figures()
+    reported: dict[str, list[int]] = {"local": [], "memory": []}
+    args = campaign.worker_args(local, None, config, memory=memory, host_buffers=buffers)
+    extra = ["--widen", "0", "--kill-at", point, "--kill-step", "2"]
+    killed, tail = _run_worker(zygote, tmp_path / "crash.out", [*args, *extra])
+    assert killed and tail.numbers("suicide", point), tail.lines[-10:]
+    reported["local"] += tail.numbers("durable", "local")
+    reported["memory"] += tail.numbers("durable", "memory")
+    taken_back = set(tail.numbers("enter", "memory-takeback"))
+    good, _ = campaign.verify(
+        local, None, reported, config, figures, f"killed at {point}", memory=memory, taken_back=taken_back
+    )
+    assert figures.failures == [], "\n".join(figures.failures)
+    assert figures.checked_from[tier] == 1, dict(figures.checked_from)
+    if point == "memory-committed":  # tier 0 is ahead of tier 1
+        assert max(good) == tail.numbers("suicide", point)[0] > max(reported["local"])
+    resume_to = max(good) + 4
+    killed, tail = _run_worker(zygote, tmp_path / "resume.out", [*args, "--widen", "0", "--max-steps", str(resume_to)])
+    assert not killed and tail.has("done"), tail.lines[-10:]
+    resumed = [ln.split() for ln in tail.lines if ln.startswith("resumed ")]
+    assert resumed == [["resumed", str(max(good)), tier]], resumed
+    assert tail.numbers("durable", "memory")[-1] == resume_to - 1
+    # close() of the finished job removed its tier 0; tier 1 keeps its own.
+    assert os.listdir(memory) == []
+    assert worker.mismatch(tiercheck.load(local, step=resume_to - 1), worker.make_state(resume_to - 1)) is None
 
 
 @pytest.mark.procs
