@@ -40,6 +40,7 @@ _PASSED = (
     "max_window_s",
     "odirect_block",
     "dir",
+    "memory_dir",
     "seed",
 )
 

@@ -25,6 +25,7 @@ from benchmarks.stall.methods import (
     NoSave,
     ODirectWriter,
     Tiercheck,
+    TiercheckMemory,
     TiercheckNormalPriority,
     TiercheckOverlap,
     Unavailable,
@@ -53,7 +54,7 @@ ALL_METHODS = (
     "torchsnapshot",
 )
 DCP_METHODS = ("dcp_save", "dcp_async_thread", "dcp_async_thread_sync", "dcp_async_process")
-TIERCHECK_METHODS = ("tiercheck", "tiercheck_overlap")
+TIERCHECK_METHODS = ("tiercheck", "tiercheck_overlap", "tiercheck_memory")
 
 METHOD_CLASSES: dict[str, type[Method]] = {
     c.name: c
@@ -64,6 +65,7 @@ METHOD_CLASSES: dict[str, type[Method]] = {
         Tiercheck,
         TiercheckOverlap,
         TiercheckNormalPriority,
+        TiercheckMemory,
         TorchSave,
         DCPSave,
         DCPAsyncThread,

@@ -28,6 +28,14 @@ TARGETS = (
     ("extra CPU / naive writer extra CPU", "cpu_s", "odirect_writer", "cpu_s", "<=", None),
 )
 
+# tier 0 (issue 26): what memory=True adds to a save, against the same save without it
+MEMORY_TARGETS = (
+    ("stall / tiercheck stall (no tier 0)", "stall_s", "tiercheck", "stall_s", "<=", 1.05),
+    ("lost / tiercheck lost (no tier 0)", "lost_s", "tiercheck", "lost_s", "<=", 1.05),
+    ("durable / tiercheck durable (no tier 0)", "durable_s", "tiercheck", "durable_s", "<=", None),
+    ("extra CPU / tiercheck extra CPU (no tier 0)", "cpu_s", "tiercheck", "cpu_s", "<=", None),
+)
+
 
 METRIC_NAMES = (  # summarised per method
     "stall_s",
@@ -149,7 +157,9 @@ def compute_targets(per_method: dict[str, Any], rows: Sequence[Row], dcp_best: s
     for subject in TIERCHECK_METHODS:
         if "summary" not in per_method.get(subject, {}):
             continue
-        for label, num_metric, den_method, den_metric, op, val in TARGETS:
+        for label, num_metric, den_method, den_metric, op, val in TARGETS + (
+            MEMORY_TARGETS if subject == "tiercheck_memory" else ()
+        ):
             den_name = dcp_best if den_method == "dcp_best" else den_method
             limit = "-" if val is None else f"{op} {val}"
             t = _ratio(rows, per_method, subject, num_metric, den_name, den_metric)

@@ -30,6 +30,9 @@ Methods (``--methods``, default all):
   tiercheck           ``Checkpointer.save(step, state)`` then ``handle.wait()``
   tiercheck_overlap   ``save(step, state, overlap=True)``; ``handle.wait_staged()`` before
                       the next optimizer step
+  tiercheck_memory    (not in the default set) ``Checkpointer(memory=True, keep_memory=1)``:
+                      tier 0, the host buffers are files in ``--memory-dir``, the step
+                      is committed there and then written to tier 1; ``handle.wait()``
   tiercheck_normal_prio
                       (not in the default set) ``Checkpointer(low_priority=False)``: the
                       writer threads keep the training loop's CPU/IO priority
@@ -104,7 +107,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--methods",
         default=",".join(ALL_METHODS),
-        help="comma-separated, default all but tiercheck_normal_prio; of: " + ", ".join(METHOD_CLASSES),
+        help="comma-separated, default all but tiercheck_normal_prio and tiercheck_memory; of: "
+        + ", ".join(METHOD_CLASSES),
     )
     ap.add_argument("--repeats", type=int, default=None, help="saves per method (default 7; quick 2)")
     ap.add_argument("--every", type=int, default=None, help="steps from one save to the next, at least (default 10)")
@@ -119,6 +123,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-window-s", type=float, default=300.0, help="stop counting a window after this long")
     ap.add_argument("--odirect-block", type=int, default=8 * MIB, help="bytes per O_DIRECT write (baseline)")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir under --out)")
+    ap.add_argument("--memory-dir", default="/dev/shm", help="tier 0 of tiercheck_memory (a temp dir under it)")
     ap.add_argument("--out", default="bench_out/stall", help="output directory for JSON and markdown")
     ap.add_argument("--img-dir", default=None, help="PNG directory (default: OUT/img)")
     ap.add_argument("--name", default=None, help="file name stem (default: stall_<model>[_quick])")
