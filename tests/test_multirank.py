@@ -282,21 +282,27 @@ def test_disk_full_on_one_rank_tier1_step_still_reaches_tier2(tmp_path: Path) ->
         assert res["restored_step"] == 30 and res["restored"] == res["saved_30"]
 
 
-def test_fsdp2_sharded_state_round_trip_and_no_resharding(tmp_path: Path) -> None:
+def test_fsdp2_sharded_state_round_trip_and_resharded_to_one_process(tmp_path: Path) -> None:
     results, _ = run_job("fsdp", 2, tmp_path)
     r0, r1 = results
     assert r0 is not None and r1 is not None
     for res in results:
         assert res["restored_step"] == 5 and res["restored"] == res["saved"]
     assert r0["saved"] != r1["saved"]  # each rank holds a different slice
-    # One rank's view, without a process group: its local pieces, as plain tensors.
+    # Without a process group: whole tensors, assembled from both ranks' pieces (the same
+    # whichever rank's view), each piece of the shape its rank held.
     view = tiercheck.load(f"file://{tmp_path}/remote", rank=1)
-    assert [tuple(t.shape) for t in view["model"].values()] == [tuple(s) for s in r1["shapes"]]
-    # A job of another size cannot restore per-rank (sharded) keys: a clear error.
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    assert {k: tuple(t.shape) for k, t in view["model"].items()} == {
+        k: tuple(t.shape) for k, t in model.state_dict().items()
+    }
+    assert [tuple(s) for s in r1["shapes"]] != [tuple(t.shape) for t in view["model"].values()]
+    # A job of another size restores the sharded model as plain tensors (issue 27).
     ck = tiercheck.Checkpointer(remote=f"file://{tmp_path}/remote")
-    with ck, pytest.raises(tiercheck.StateMismatchError, match=r"saved by 2 ranks.*resharding"):
-        ck.restore({"model": model})
+    with ck:
+        assert ck.restore({"model": model}) == 5
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, view["model"][k]), k
 
 
 def test_node_local_tier1_without_tier2_keeps_a_replicated_copy_per_node(tmp_path: Path) -> None:

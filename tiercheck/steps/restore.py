@@ -36,6 +36,7 @@ from .catalog import (
     read_marker_and_guess,
     reading_committed,
 )
+from .reshard import Resharder, consistent_keys
 
 Producer = Callable[[], object]
 _Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
@@ -97,6 +98,10 @@ class _Binder:
         self.lent: dict[tuple[object, ...], tuple[tuple[object, ...], str]] = parent.lent if parent else {}
         self.spans: list[_Lent] = parent.spans if parent else []
         self.overlaps: list[_Overlap] = parent.overlaps if parent else []
+        # DTensor leaves held here at another layout (another mesh, placements or world
+        # size; a plain template; none): read from the saved pieces (`steps.reshard`)
+        self.resharder: Resharder | None = parent.resharder if parent else None
+        self.own = parent is None  # this manifest is this rank's own part
 
     def bind(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
         t = node["t"]
@@ -104,7 +109,10 @@ class _Binder:
             owner, target = self.replicas[id(node)]
             return owner.bind(tmpl, target, path, mode)
         if t in ("tensor", "ndarray", "npscalar", "bytes"):
-            return self._leaf(tmpl, self.entries[node["e"]], path, mode)
+            e = self.entries[node["e"]]
+            if e.dtensor is not None and self.resharder is not None and self.resharder.wants(tmpl, e, self.own):
+                return self.resharder.bind(tmpl, e, path, mode.fill)
+            return self._leaf(tmpl, e, path, mode)
         if t == "dict":
             return self._mapping(tmpl, node, path, mode)
         if t == "stateful":
@@ -599,8 +607,10 @@ def read_step(
     strict: bool,
     world_size: int | None = None,
     progress: ProgressCallback | None = None,
+    sources: Sequence[Tier] = (),
 ) -> object:
     """Read `step` from `tier` into `template` (or fresh values if None); verify every byte.
+    `sources`: the tiers after it, where other ranks' parts are read from when resharding.
 
     Raises:
         CheckpointCorruptedError: missing, short or altered bytes; the template's tensors
@@ -610,7 +620,7 @@ def read_step(
             checkpoint after its tensors were filled.
     """
     with collector_paused():  # until the read's objects are freed too: none is left for a collection
-        return prepare_step(tier, step, rank, template, strict, world_size, progress)()
+        return prepare_step(tier, step, rank, template, strict, world_size, progress, sources)()
 
 
 def prepare_step(
@@ -621,6 +631,7 @@ def prepare_step(
     strict: bool,
     world_size: int | None = None,
     progress: ProgressCallback | None = None,
+    sources: Sequence[Tier] = (),
 ) -> Producer:
     """Read and verify `step` (tensors land in the template's tensors); return the function
     that then writes plain values and calls `load_state_dict` (see `read_step`).
@@ -628,7 +639,7 @@ def prepare_step(
     `world_size` is the restoring job's: when it differs from the checkpoint's, only the
     replicated top-level keys can be restored, read through rank 0's manifest."""
     with collector_paused():
-        return _prepare_step(tier, step, rank, template, strict, world_size, progress)
+        return _prepare_step(tier, step, rank, template, strict, world_size, progress, sources)
 
 
 def _prepare_step(
@@ -639,6 +650,7 @@ def _prepare_step(
     strict: bool,
     world_size: int | None,
     progress: ProgressCallback | None,
+    sources: Sequence[Tier] = (),
 ) -> Producer:
     marker, guessed = read_marker_and_guess(tier, step, rank, world_size)  # one round trip for both
     resized = world_size is not None and world_size != marker.world_size
@@ -647,10 +659,19 @@ def _prepare_step(
         manifest = first_present_manifest(tier, step, marker)
     else:
         manifest = read_manifest(tier, step, rank, marker, guessed)
+    resharder = None
+    if resized or any(e.dtensor is not None for e in manifest.entries):
+        resharder = Resharder([tier, *sources], step, marker, rank, world_size)
     tree = manifest.tree
+    differing: list[str] = []
     if world_size is not None and resized:
-        tree = _replicated_view(tier, step, manifest, marker.world_size, world_size, template)
+        assert resharder is not None
+        saved = marker.world_size
+        tree, differing = _resized_view(tier, step, manifest, saved, world_size, template, strict, resharder)
     binder = _Binder(manifest, step)
+    binder.resharder = resharder
+    binder.own = not resized
+
     manifests = {manifest.rank: manifest}
     replicas = ReplicaResolver(tier, step, marker, manifests)
     owners: dict[int, _Binder] = {}
@@ -673,6 +694,9 @@ def _prepare_step(
                 f"{tier.path_of(step)}: cannot allocate what the manifest claims: {exc}"
             ) from None
         binder.place_lent()
+        if differing:  # say why a per-rank key was left as it is
+            why = {d.split(" (", 1)[0]: d for d in differing}
+            binder.missing[:] = [why.get(m, m) for m in binder.missing]
         if binder.missing and strict:
             raise StateMismatchError(
                 f"{', '.join(binder.missing)}: template key(s) not in the checkpoint (step {step}); "
@@ -680,6 +704,8 @@ def _prepare_step(
             )
         _read_overlaps_first(tier, step, files, binder, manifest.checksum_algorithm, progress)
         files.check_ends()
+        if resharder is not None:
+            resharder.read_all()
     for overlap in binder.overlaps:
         overlap.write()
     if not binder.missing:
@@ -694,26 +720,48 @@ def _prepare_step(
     return produce_and_report
 
 
-def _replicated_view(
-    tier: Tier, step: int, manifest: Manifest, saved_world: int, world_size: int, template: object
-) -> JsonNode:
-    """The part of rank 0's tree that any rank of a job of another size may restore: the
-    replicated keys. A template key saved per rank is an error naming it."""
+def _resized_view(
+    tier: Tier,
+    step: int,
+    manifest: Manifest,
+    saved_world: int,
+    world_size: int,
+    template: object,
+    strict: bool,
+    resharder: Resharder,
+) -> tuple[JsonNode, list[str]]:
+    """The part of the reference manifest's tree that any rank of a job of another size may
+    restore, and the template keys left out (restore(strict=False)). Replicated keys always;
+    a per-rank key when every saved rank holds it alike (its DTensors are pieces of one
+    tensor, everything else byte-equal: a `step`, a config, a scheduler stepped alike).
+    A per-rank key whose saved ranks differ (RNG states, a data-loader position) is an error
+    naming every such key, or with strict=False is left as it is and reported."""
     tree = manifest.tree
     replicated = set(manifest.replicated)
-    if isinstance(template, Mapping) and not is_stateful(template):
-        wanted = set(template)
-        per_rank = [decode_key(k) for k in tree["k"] if tuple(k) not in replicated and decode_key(k) in wanted]
-        if per_rank:
+    wanted = set(template) if isinstance(template, Mapping) and not is_stateful(template) else None
+    per_rank = [
+        tuple(k) for k in tree["k"] if tuple(k) not in replicated and (wanted is None or decode_key(k) in wanted)
+    ]
+    keep = set(replicated)
+    left: list[str] = []
+    if per_rank:
+        alike, _ = consistent_keys(resharder.all_manifests())
+        keep |= {k for k in per_rank if k in alike}
+        bad = [f"{ROOT}[{decode_key(list(k))!r}]" for k in per_rank if k not in alike]
+        if wanted is None:  # no template (`load`): what every new rank may hold, no more
+            bad = []
+        if bad and strict:
             raise StateMismatchError(
-                f"step {step} ({tier.path_of(step)}) was saved by {saved_world} ranks; this job has "
-                f"{world_size}. Only keys saved as replicated (Checkpointer(replicated=...)) can be restored "
-                f"with another number of ranks: {sorted(map(str, (decode_key(list(k)) for k in replicated)))}. "
-                f"Per-rank keys in the template: {per_rank}; drop them from the template, or restore with "
-                f"{saved_world} ranks (resharding per-rank state is not supported)"
+                f"step {step} ({tier.path_of(step)}) was saved by {saved_world} ranks; this job has {world_size}. "
+                f"These per-rank keys differ between the saved ranks, so no new rank can take one of them as "
+                f"its own: {', '.join(bad)}. Drop them from the template (and set them yourself, e.g. a fresh "
+                "RNG seed per new rank, a data-loader position rebuilt from the step), save them as "
+                "replicated if they are the same on every rank, or restore(state, strict=False) to leave "
+                "them as they are"
             )
-    pairs = [(k, v) for k, v in zip(tree["k"], tree["v"], strict=True) if tuple(k) in replicated]
-    return {"t": "dict", "k": [k for k, _ in pairs], "v": [v for _, v in pairs]}
+        left = [f"{b} (differs between the {saved_world} saved ranks)" for b in bad]
+    pairs = [(k, v) for k, v in zip(tree["k"], tree["v"], strict=True) if tuple(k) in keep]
+    return {"t": "dict", "k": [k for k, _ in pairs], "v": [v for _, v in pairs]}, left
 
 
 def _read_overlaps_first(
@@ -928,7 +976,8 @@ def restore_from(
         for tier in holders[s]:
             try:
                 with reading_committed(tier, s):
-                    value = read_step(tier, s, rank, template, strict, world_size, progress)
+                    later = holders[s][holders[s].index(tier) + 1 :]
+                    value = read_step(tier, s, rank, template, strict, world_size, progress, later)
                 return Restored(s, value, tuple(sorted(holders)), tier.name)
             except (CheckpointCorruptedError, NoCheckpointError, OSError) as exc:
                 missing_only = missing_only and isinstance(exc, NoCheckpointError)
@@ -1013,7 +1062,8 @@ def restore_collective(
             for tier in tiers:
                 try:
                     with reading_committed(tier, s):
-                        produce = prepare_step(tier, s, rank, template, strict, world_size, progress)
+                        later = tiers[tiers.index(tier) + 1 :]
+                        produce = prepare_step(tier, s, rank, template, strict, world_size, progress, later)
                     source = tier.name
                     break
                 except StateMismatchError as exc:  # the template is wrong: no older step helps

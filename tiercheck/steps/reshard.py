@@ -1,0 +1,355 @@
+"""Restore at another layout: DTensor pieces saved by other ranks read into this rank's boxes,
+and the rule for per-rank values at another world size.
+
+`Resharder` takes over the entries of DTensor leaves (`format.tree.DTensorInfo`) that the
+template holds at another layout than the saved piece of this rank: a DTensor of another
+mesh or placements, a plain tensor (which gets the whole tensor), or nothing (`load`: the
+whole tensor). For each, it collects the saved pieces of that key from every saved rank's
+manifest (read from this rank's tier where it holds that rank's part, else from the next
+tier that does: a node-local tier 1 has only its node's ranks), plans the reads
+(`plan.reshard`), reads only those bytes through the one shard opener, checks every
+checksum block they span, and copies the intersections into place. A piece whose block does
+not verify fails the step on this tier (`CheckpointCorruptedError`): the restore then tries
+the next tier, then an older step, as for any damaged step.
+
+Resharding never guesses: a template whose global shape or dtype differs from the saved
+tensor's is a `StateMismatchError` naming the key.
+
+Per-rank values at another world size (`consistent_keys`): a top-level key that every saved
+rank holds with the same bytes (plain values and checksums equal; DTensor pieces of one
+global tensor) restores on every new rank; one whose ranks differ (RNG states, a data-loader
+position) cannot be resharded implicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from ..errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
+from ..format.checksum import checksum_function
+from ..format.dtypes import TORCH_DTYPES
+from ..format.manifest import Entry, Manifest, Marker, decode_key
+from ..format.tree import JsonNode
+from ..plan.reshard import Piece, PieceRead, plan_box
+from ..tiers.base import Tier
+from .catalog import MissingManifestError, ShardFiles, read_manifest, read_marker
+
+__all__ = ["LastBlocks", "Resharder", "consistent_keys", "pieces_of", "read_piece", "template_box"]
+
+Producer = Callable[[], object]
+
+
+def template_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor] | None:
+    """(offsets, sizes, local piece) of a DTensor template; None for any other tensor."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return None
+    if not isinstance(t, DTensor):
+        return None
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    if tuple(local.shape) != tuple(shape):
+        return None  # a layout the box model cannot express (padded): the caller refuses it
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in shape), local
+
+
+class _Source:
+    """One saved rank's part: the tier it is read from and its verified manifest."""
+
+    def __init__(self, tier: Tier, manifest: Manifest) -> None:
+        self.tier = tier
+        self.manifest = manifest
+        self.files: ShardFiles | None = None
+
+
+class Resharder:
+    """Fills template tensors from the saved pieces of DTensor entries.
+
+    Args:
+        tiers: this rank's tier first, then the tiers to read other ranks' parts from.
+        step: the step restored.
+        marker: the step's commit marker on `tiers[0]`.
+        rank, world_size: this rank and this job's size.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], step: int, marker: Marker, rank: int, world_size: int | None) -> None:
+        self._tiers = list(tiers)
+        self.step = step
+        self.marker = marker
+        self.rank = rank
+        self.world_size = world_size
+        self._sources: dict[int, _Source] | None = None
+        self._by_path: dict[str, list[tuple[int, Entry]]] | None = None
+        self._fills: list[tuple[str, torch.Tensor, tuple[tuple[int, ...], tuple[int, ...]], Entry]] = []
+
+    # -- what is read from where -------------------------------------------------------
+
+    def sources(self) -> dict[int, _Source]:
+        """Every saved rank's part, each from the first tier that holds it (verified against
+        that tier's own marker: a tier-2 part may differ from the tier-1 one)."""
+        if self._sources is None:
+            found: dict[int, _Source] = {}
+            markers: dict[int, Marker] = {0: self.marker}
+            for r in range(self.marker.world_size):
+                for i, tier in enumerate(self._tiers):
+                    try:
+                        if i not in markers:
+                            markers[i] = read_marker(tier, self.step)
+                        found[r] = _Source(tier, read_manifest(tier, self.step, r, markers[i]))
+                        break
+                    except (MissingManifestError, NoCheckpointError, FileNotFoundError):
+                        continue
+                else:
+                    raise CheckpointCorruptedError(
+                        f"step {self.step}: no tier of this rank holds saved rank {r}'s part "
+                        f"({', '.join(f'{t.name}={t.location}' for t in self._tiers)})"
+                    )
+            self._sources = found
+        return self._sources
+
+    def all_manifests(self) -> list[Manifest]:
+        return [s.manifest for _, s in sorted(self.sources().items())]
+
+    def _pieces(self, path: str) -> list[tuple[int, Entry]]:
+        if self._by_path is None:
+            index: dict[str, list[tuple[int, Entry]]] = {}
+            for r, src in sorted(self.sources().items()):
+                for e in src.manifest.entries:
+                    if e.dtensor is not None:
+                        index.setdefault(e.path, []).append((r, e))
+            self._by_path = index
+        return self._by_path.get(path, [])
+
+    # -- binding (before any byte is read) ------------------------------------------------
+
+    def wants(self, tmpl: object, e: Entry, own: bool) -> bool:
+        """Whether `e` (a leaf of the reference manifest bound to `tmpl`) must be resharded:
+        its piece is not what `tmpl` holds here."""
+        info = e.dtensor
+        if info is None:
+            return False
+        if isinstance(tmpl, torch.Tensor):
+            box = template_box(tmpl)
+            if box is not None:
+                same = own and tuple(tmpl.shape) == info.global_shape and box[:2] == (info.offsets, e.shape)
+                return not same
+        return tuple(info.global_shape) != tuple(e.shape)  # a plain template (or none): the whole tensor
+
+    def bind(self, tmpl: object, e: Entry, path: str, fill: bool) -> Producer:
+        """Plan `tmpl`'s fill from the pieces of `e`'s tensor; returns what the leaf becomes."""
+        info = e.dtensor
+        assert info is not None
+        dtype = TORCH_DTYPES[e.dtype]
+        shape = tuple(info.global_shape)
+
+        def mismatch(what: str) -> StateMismatchError:
+            return StateMismatchError(
+                f"{path}: {what}; the checkpoint (step {self.step}) holds a {dtype} tensor of global shape "
+                f"{list(shape)}, saved as pieces ({'x'.join(map(str, info.mesh))} mesh, {info.placements}). "
+                "Resharding never guesses: give a template of that global shape and dtype"
+            )
+
+        if isinstance(tmpl, torch.Tensor) and tmpl.device.type != "meta":
+            if tuple(tmpl.shape) != shape or tmpl.dtype != dtype:
+                raise mismatch(f"the template is {tmpl.dtype} of global shape {list(tmpl.shape)}")
+            box = template_box(tmpl)
+            if box is None and type(tmpl) not in (torch.Tensor, torch.nn.Parameter):
+                raise mismatch("the template DTensor's local piece is not a box of it (an uneven, padded layout)")
+            if box is not None:
+                offsets, sizes, local = box
+                self._fills.append((path, local, (offsets, sizes), e))
+            else:
+                self._fills.append((path, tmpl, (tuple(0 for _ in shape), shape), e))
+            return lambda: tmpl
+        if fill and tmpl is not None and not (isinstance(tmpl, torch.Tensor) and tmpl.device.type == "meta"):
+            raise mismatch(f"the template holds a {type(tmpl).__name__}")
+        fresh = torch.empty(shape, dtype=dtype)
+        self._fills.append((path, fresh, (tuple(0 for _ in shape), shape), e))
+        return lambda: fresh
+
+    # -- reading (after every binding check passed) ---------------------------------------
+
+    def read_all(self) -> None:
+        """Read, verify and place every planned fill."""
+        if not self._fills:
+            return
+        try:
+            for path, dest, box, e in self._fills:
+                pieces = self._pieces(path) or [(self.rank, e)]
+                by_piece: dict[int, tuple[int, Entry]] = {}
+                plan_input = []
+                for r, pe in pieces:
+                    info = pe.dtensor
+                    assert info is not None
+                    block = info.block if info.blocks else 0
+                    p = Piece(r, tuple(info.offsets), tuple(pe.shape), dest.element_size(), block)
+                    ref = e.dtensor
+                    assert ref is not None
+                    if pe.dtype != e.dtype or tuple(info.global_shape) != tuple(ref.global_shape):
+                        raise CheckpointCorruptedError(
+                            f"step {self.step}: {path}: saved rank {r}'s piece is {pe.dtype} of global shape "
+                            f"{list(info.global_shape)}, another rank's says {e.dtype} {list(ref.global_shape)}"
+                        )
+                    by_piece[id(p)] = (r, pe)
+                    plan_input.append(p)
+                try:
+                    reads = plan_box(box, plan_input)
+                except ValueError as exc:
+                    raise CheckpointCorruptedError(f"step {self.step}: {path}: {exc}") from None
+                for rd in reads:
+                    r, pe = by_piece[id(rd.piece)]
+                    self._read_piece(path, dest, rd, r, pe)
+        finally:
+            for src in (self._sources or {}).values():
+                if src.files is not None:
+                    src.files.close()
+                    src.files = None
+
+    def _files(self, r: int) -> _Source:
+        src = self.sources()[r]
+        if src.files is None:
+            src.files = ShardFiles(src.tier, self.step, src.manifest.files)
+        return src
+
+    def _read_piece(self, path: str, dest: torch.Tensor, rd: PieceRead, r: int, e: Entry) -> None:
+        src = self._files(r)
+        assert src.files is not None
+        where = f"{src.tier.path_of(self.step, e.file)} ({path}, saved rank {r})"
+        read_piece(src.files, src.manifest.checksum_algorithm, e, rd, dest, where)
+
+
+class LastBlocks:
+    """The last checksum block read of each saved piece, so that a read of the next rows of
+    that piece which starts inside it (row bands that split a block: `tiercheck export`)
+    does not read behind the shard's position (a zstd shard would decompress again from
+    its start)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, str], tuple[int, bytes]] = {}
+
+    def take(self, holder: int, file: str, offset: int, buf: memoryview) -> int:
+        """Copy the remembered block into `buf` if it is the one at `offset`; its length, or 0."""
+        held = self._last.get((holder, file))
+        if held is None or held[0] != offset or len(held[1]) > len(buf):
+            return 0
+        buf[: len(held[1])] = held[1]
+        return len(held[1])
+
+    def keep(self, holder: int, file: str, offset: int, data: memoryview) -> None:
+        self._last[(holder, file)] = (offset, bytes(data))
+
+
+def read_piece(
+    files: ShardFiles,
+    algorithm: str,
+    e: Entry,
+    rd: PieceRead,
+    dest: torch.Tensor,
+    where: str,
+    last: LastBlocks | None = None,
+) -> None:
+    """Read the whole blocks `rd` spans of saved piece `e` (through `files`), verify each
+    against its digest (the entry's checksum for a piece without blocks), and copy `rd`'s
+    intersection into `dest`.
+
+    Raises:
+        CheckpointCorruptedError: a block (or the piece) differs from its digest; `where`
+            names it.
+    """
+    info = e.dtensor
+    assert info is not None
+    buf = bytearray(rd.end - rd.start)
+    view = memoryview(buf)
+    reused = 0
+    if last is not None and rd.piece.block:
+        reused = last.take(rd.piece.holder, e.file, e.offset + rd.start, view)
+    if reused < len(buf):
+        files.read_into(e.file, e.offset + rd.start + reused, view[reused:])
+    digest = checksum_function(algorithm)
+    if rd.piece.block:
+        first = rd.start // info.block
+        for k in range(first, first + -(-(rd.end - rd.start) // info.block)):
+            lo = k * info.block - rd.start
+            chunk = view[lo : min(len(buf), lo + info.block)]
+            if k >= len(info.blocks) or digest(chunk) != info.blocks[k]:
+                raise CheckpointCorruptedError(f"{where}: checksum mismatch in block {k} of this piece")
+        if last is not None and buf:
+            lo = (rd.end - 1) // info.block * info.block - rd.start
+            last.keep(rd.piece.holder, e.file, e.offset + rd.start + lo, view[lo:])
+    elif digest(view) != e.checksum:
+        raise CheckpointCorruptedError(f"{where}: checksum mismatch")
+    row_bytes = rd.piece.itemsize * _prod(rd.piece.sizes[1:])
+    lo = rd.row0 * row_bytes - rd.start if rd.piece.sizes else 0
+    raw = torch.frombuffer(buf, dtype=torch.uint8)[lo : lo + rd.rows * row_bytes if rd.piece.sizes else None]
+    rows = raw.view(dest.dtype).reshape((rd.rows, *rd.piece.sizes[1:]) if rd.piece.sizes else ())
+    with torch.no_grad():
+        dest[rd.dst].copy_(rows[rd.src])
+
+
+def pieces_of(saved: Sequence[tuple[int, Entry]], itemsize: int) -> list[Piece]:
+    """The `Piece`s of (saved rank, DTensor entry) pairs, in that order."""
+    out = []
+    for r, e in saved:
+        info = e.dtensor
+        assert info is not None
+        out.append(Piece(r, tuple(info.offsets), tuple(e.shape), itemsize, info.block if info.blocks else 0))
+    return out
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _fingerprint(node: JsonNode, entries: Sequence[Entry]) -> object:
+    """What must be equal on every saved rank for a per-rank value to restore anywhere."""
+    t = node["t"]
+    if t in ("tensor", "ndarray", "npscalar", "bytes"):
+        e = entries[node["e"]]
+        if e.dtensor is not None:  # one global tensor, a piece per rank: equal by its metadata
+            info = e.dtensor
+            return ("dtensor", e.dtype, tuple(info.global_shape), tuple(info.mesh), tuple(info.placements))
+        return (t, e.dtype, tuple(e.shape), e.checksum)
+    if t == "dict":
+        return ("dict", tuple(tuple(k) for k in node["k"]), tuple(_fingerprint(v, entries) for v in node["v"]))
+    if t == "stateful":
+        return ("stateful", _fingerprint(node["v"], entries))
+    if t in ("list", "tuple"):
+        return (t, tuple(_fingerprint(v, entries) for v in node["v"]))
+    if t == "replica":
+        return ("replica",)
+    return (t, str(node.get("v")))
+
+
+def consistent_keys(manifests: Sequence[Manifest]) -> tuple[set[tuple[str, ...]], list[str]]:
+    """(top-level keys every saved rank holds alike, names of those whose ranks differ)."""
+    ref = manifests[0]
+    same: set[tuple[str, ...]] = set()
+    differ: list[str] = []
+    views = [dict(zip((tuple(k) for k in m.tree["k"]), m.tree["v"], strict=True)) for m in manifests]
+    for k in ref.tree["k"]:
+        key = tuple(k)
+        prints = {_fingerprint(v[key], m.entries) if key in v else None for v, m in zip(views, manifests, strict=True)}
+        if len(prints) == 1 and None not in prints:
+            same.add(key)
+        else:
+            differ.append(repr(decode_key(list(key))))
+    return same, differ
+
+
+@contextlib.contextmanager
+def closing(r: Resharder | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if r is not None:
+            for src in (r._sources or {}).values():
+                if src.files is not None:
+                    src.files.close()
