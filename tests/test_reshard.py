@@ -153,3 +153,16 @@ def test_plan_reads_only_the_rows_it_needs():
     with pytest.raises(ValueError, match="cover"):
         plan_box(((0, 0), (500, 1000)), pieces[:1])
     assert intersect(((0,), (5,)), ((5,), (5,))) is None
+
+
+def test_node_local_tier1_reads_its_own_parts_and_tier2_for_the_rest(tmp_path):
+    """Saved at 4 ranks on two nodes with node-local tier 1; restored at 2 ranks on node 0
+    only: each new rank reads the saved pieces its node holds from its tier 1 and the rest
+    (saved ranks 2, 3: the other node's, never read from there) from tier 2."""
+    spec = {**SAVE_4, "node_local": True, "nodes": [0, 0, 1, 1]}
+    assert all(r["ok"] for r in run("save", 4, tmp_path, spec))
+    import shutil
+
+    shutil.rmtree(tmp_path / "node1")  # the other node is gone: its tier 1 cannot be read
+    got = run("restore", 2, tmp_path, {"mesh": [2], "placements": SAVE_4["placements"], "node_local": True})
+    assert restored_ok(got), got
