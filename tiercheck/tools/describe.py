@@ -34,8 +34,11 @@ def describe_step(tiers: Sequence[Tier], step: int | None = None, rank: int = 0)
         ``nodes``: every value in depth-first order with its ``path`` (a list of keys, ints
         kept as ints) and ``kind``; leaves add ``dtype``, ``shape``, ``bytes``, ``file``,
         ``offset`` (and ``alias_of``, the path of the first leaf with the same bytes, for
-        tied tensors); plain values add ``value`` (a float that is not finite as the string
-        ``"nan"``, ``"inf"`` or ``"-inf"``); containers add ``length``.
+        tied tensors; for a DTensor, ``shape`` and ``bytes`` are the whole tensor's, and
+        ``dtensor`` holds ``mesh``, ``dims``, ``placements``, this rank's ``coordinate``, and
+        its piece's ``piece_shape``, ``offsets`` and ``piece_bytes``); plain values add
+        ``value`` (a float that is not finite as the string ``"nan"``, ``"inf"`` or
+        ``"-inf"``); containers add ``length``.
 
     Raises:
         NoCheckpointError: nothing committed (or not `step`, or no rank `rank`).
@@ -111,6 +114,17 @@ def _node_doc(path: KeyPath, node: Node) -> dict[str, Any]:
     if node.entry is not None:
         e = node.entry
         doc.update(dtype=e.dtype, shape=list(e.shape), bytes=e.length, file=e.file, offset=e.offset)
+        if e.dtensor is not None:
+            info, piece = e.dtensor, node.piece or e
+            doc["dtensor"] = {
+                "mesh": list(info.mesh),
+                "dims": list(info.dims),
+                "placements": list(info.placements),
+                "coordinate": list(info.coordinate),
+                "piece_shape": list(piece.shape),
+                "offsets": list(info.offsets),
+                "piece_bytes": piece.length,
+            }
     elif node.kind in PLAIN_KINDS:
         doc["value"] = _json_value(node.value)
     else:
@@ -184,6 +198,12 @@ def _describe_node(n: dict[str, Any], totals: dict[str, dict[str, Any]] | None) 
     if "dtype" in n:
         shape = "[" + ", ".join(map(str, n["shape"])) + "]"
         text = f"{kind} {n['dtype']} {shape}  {format_bytes(n['bytes'])}"
+        if "dtensor" in n:
+            d = n["dtensor"]
+            mesh = "x".join(map(str, d["mesh"]))
+            piece = "[" + ", ".join(map(str, d["piece_shape"])) + "]"
+            at = "[" + ", ".join(map(str, d["offsets"])) + "]"
+            text += f"  (DTensor: mesh {mesh} [{', '.join(d['placements'])}]; this rank's piece {piece} at {at})"
         if "alias_of" in n:
             text += "  (same bytes as " + ".".join(map(str, n["alias_of"])) + ")"
     elif "value" in n:

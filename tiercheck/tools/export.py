@@ -12,6 +12,11 @@ a directory (``DIR/``,    a `torch.distributed.checkpoint` save of    the larges
 directory)
 ========================  ==========================================  =========================
 
+A DTensor (FSDP2, tensor parallel) is written as the whole tensor, whichever rank's view is
+exported: assembled from every saved rank's pieces of it (read from the same tier), band of
+rows by band through the same buffer, every checksum block read verified (`view.ShardReader`);
+for DCP the largest tensor is then the largest whole tensor.
+
 Every tensor's bytes are checked against the manifest's checksum on the way; the output is
 written under a temporary name beside the destination and renamed into place only once
 complete, so a failed export never leaves a file that looks finished.
