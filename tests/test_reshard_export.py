@@ -15,7 +15,7 @@ import torch
 
 import tiercheck
 from tests.reshard_worker import bits, global_tensors
-from tests.test_reshard import SAVE_2x2, SAVE_4, run
+from tests.test_reshard import SAVE_4, SAVE_2x2, run
 from tiercheck.__main__ import main
 from tiercheck.format import naming
 from tiercheck.tools import export_step
