@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 from .engine.history import StepHistory
-from .engine.peers import join_peers
+from .engine.peers import PeerCopies, join_peers
 from .engine.pipeline import Pipeline
 from .engine.stager import SaveStager
 from .errors import (
@@ -25,7 +25,7 @@ from .errors import (
     UnsupportedStateError,
 )
 from .goodput.runlog import DEFAULT_INTERVAL, RunLog
-from .job.coordination import Group, join_job
+from .job.coordination import Group, Membership, join_job
 from .job.trigger import SaveTrigger, SigtermState, sigterm_handler
 from .observe.events import emit_restore, logger
 from .observe.progress import ProgressCallback
@@ -39,6 +39,7 @@ from .steps.parts import PartPlanner
 from .steps.restore import restore_collective, restore_from
 from .steps.stage import HostBufferPool, SharedBuffers
 from .tiers.base import Tier
+from .tiers.memory import SharedMemoryTier
 from .tiers.open import open_memory_tier
 from .tiers.remote import RemoteTier
 
@@ -225,36 +226,18 @@ class Checkpointer:
         self._local, self._remote = open_tiers(opts.tiers, _TIER_DEFAULTS)
         if isinstance(self._remote, RemoteTier):  # before the pipeline can upload anything
             self._remote.sweep_before_upload(job.rank, job.world_size)
-        mem = opts.memory
-        self._memory = (
-            open_memory_tier(mem.memory_dir, mem.job_id, self._local, self._remote, job.rank, mem.memory_ttl)
-            if mem.memory
-            else None
-        )
+        self._memory = _open_tier0(opts, self._local, self._remote)
         self._tiers: list[Tier] = [t for t in (self._memory, self._local, self._remote) if t is not None]
         self.rank = job.rank
         self.world_size = job.world_size
         self._lock = threading.RLock()  # save/restore/close are serialised
         self._closed = False
         self._group = join_job(job, self._local, self._remote, self._memory)
-        self._peers = (
-            join_peers(self._group, self._memory, mem.memory_peers, mem.keep_memory, mem.memory_peer_rate)
-            if self._memory is not None and mem.memory_peers and isinstance(self._group, Group)
-            else None
-        )
-        copies = opts.save.host_buffers + mem.memory_peers * mem.keep_memory  # stated: docs/design.md
-        shared = None if self._memory is None else SharedBuffers(self._memory, job.rank, copies)
-        self._pool = HostBufferPool(opts.save.host_buffers, shared)
+        self._peers = _join_peers(opts, self._group, self._memory)
+        self._pool = _host_buffers(opts, self._memory)
         self._pipeline = Pipeline(
-            self._local,
-            self._remote,
-            self._pool,
-            self._group,
-            retention=opts.retention,
-            save=opts.save,
-            memory=self._memory,
-            keep_memory=mem.keep_memory,
-            peers=self._peers,
+            self._local, self._remote, self._pool, self._group, retention=opts.retention, save=opts.save,
+            memory=self._memory, keep_memory=opts.memory.keep_memory, peers=self._peers,
         )
         self._planner = PartPlanner(job, self._group, has_remote=self._remote is not None)
         self._stager = SaveStager(self._pool, self._pipeline, opts.save, job, [t.name for t in self._tiers])
@@ -765,6 +748,30 @@ class Checkpointer:
             emit_restore(found.step, found.tier, took)
             self._history.restored(found.step, found.committed)
             return found.step
+
+
+def _open_tier0(opts: Options, local: Tier | None, remote: Tier | None) -> SharedMemoryTier | None:
+    """Tier 0 when asked for and its directory can hold it (else None, with one warning)."""
+    m = opts.memory
+    if not m.memory:
+        return None
+    return open_memory_tier(m.memory_dir, m.job_id, local, remote, opts.job.rank, m.memory_ttl)
+
+
+def _join_peers(opts: Options, group: Membership, memory: SharedMemoryTier | None) -> PeerCopies | None:
+    """The copies of tier 0 on other nodes (collective in a job), when asked for."""
+    m = opts.memory
+    if memory is None or not m.memory_peers or not isinstance(group, Group):
+        return None
+    return join_peers(group, memory, m.memory_peers, m.keep_memory, m.memory_peer_rate)
+
+
+def _host_buffers(opts: Options, memory: SharedMemoryTier | None) -> HostBufferPool:
+    """The pool, its buffers in tier 0's shared memory when it is on; the memory it may need
+    is stated (docs/design.md): host buffers plus the copies it holds for other nodes."""
+    n = opts.save.host_buffers
+    copies = n + opts.memory.memory_peers * opts.memory.keep_memory
+    return HostBufferPool(n, None if memory is None else SharedBuffers(memory, opts.job.rank, copies))
 
 
 def _abort_uploads(ckpt: Checkpointer | None) -> None:

@@ -284,93 +284,134 @@ def plot_report(report: Report, path: str) -> None:
 # -- plan ------------------------------------------------------------------------------
 
 
-def run_plan(args: argparse.Namespace) -> int:
+@dataclasses.dataclass
+class _PlanInputs:
+    """`tiercheck plan`'s numbers: given as options, or measured from a run log."""
+
+    mtbf: float
+    cost: float | None
+    restart: float | None
+    blocking: float | None
+    memory_restart: float | None
+    durable_after: float | None
+    share: float | None
+    tier0: bool
+    durable: dict[str, float] = dataclasses.field(default_factory=dict)
+    source: str = "--cost"
+
+
+def _plan_inputs(args: argparse.Namespace) -> _PlanInputs:
     mtbf = _duration("--mtbf", args.mtbf)
     assert mtbf is not None
-    cost = _duration("--cost", args.cost)
-    restart = _duration("--restart", args.restart, positive=False)
-    blocking = _duration("--blocking-cost", args.blocking_cost)
     memory_restart = _duration("--memory-restart", args.memory_restart, positive=False)
-    durable_after = _duration("--durable-after", args.durable_after, positive=False)
     share = _share(args.memory_share)
-    tier0 = share is not None or memory_restart is not None
-    durable: dict[str, float] = {}
-    source = "--cost"
+    i = _PlanInputs(
+        mtbf=mtbf,
+        cost=_duration("--cost", args.cost),
+        restart=_duration("--restart", args.restart, positive=False),
+        blocking=_duration("--blocking-cost", args.blocking_cost),
+        memory_restart=memory_restart,
+        durable_after=_duration("--durable-after", args.durable_after, positive=False),
+        share=share,
+        tier0=share is not None or memory_restart is not None,
+    )
     if args.location is not None:
-        report = _load(args.location, args.rank)
-        t = report.total
-        durable = t.durable_s
-        if cost is None:
-            if not t.saves or t.save_cost_s is None:
-                raise UsageError(f"no save in the run log of {args.location}: pass --cost")
-            cost, source = max(t.save_cost_s, 1e-6), "run log"
-        if blocking is None and t.blocking_cost_s is not None:
-            blocking = t.blocking_cost_s
-        after = [r for r in report.runs if r.after_failure]
-        from_memory = [r for r in after if r.restored_tier == "memory"]
-        if restart is None:
-            # Restarts from tiers 1-2 when tier 0 is asked about and the log has both kinds.
-            durable_runs = [r for r in after if r.restored_tier != "memory"] if tier0 else after
-            restart = _mean_restart(durable_runs or after)
-        if tier0 and memory_restart is None and from_memory:
-            memory_restart = _mean_restart(from_memory)
-        if durable_after is None and durable:
-            durable_after = durable.get("local", next(iter(durable.values())))
-    if cost is None:
+        _measure_plan_inputs(i, args.location, args.rank)
+    if i.cost is None:
         raise UsageError("give --cost (e.g. --cost 30s) or a checkpoint directory whose run log has saves")
-    restart = restart or 0.0
-    if tier0 and memory_restart is None:
+    if i.tier0 and i.memory_restart is None:
         raise UsageError(
             "give --memory-restart (e.g. 30s: relaunch + restore from memory), or a checkpoint directory "
             "whose run log has a restore from tier 0"
         )
+    return i
+
+
+def _measure_plan_inputs(i: _PlanInputs, location: str, rank: int | None) -> None:
+    """Fill what the options left open from the run log at `location`."""
+    report = _load(location, rank)
+    t = report.total
+    i.durable = t.durable_s
+    if i.cost is None:
+        if not t.saves or t.save_cost_s is None:
+            raise UsageError(f"no save in the run log of {location}: pass --cost")
+        i.cost, i.source = max(t.save_cost_s, 1e-6), "run log"
+    if i.blocking is None and t.blocking_cost_s is not None:
+        i.blocking = t.blocking_cost_s
+    after = [r for r in report.runs if r.after_failure]
+    from_memory = [r for r in after if r.restored_tier == "memory"]
+    if i.restart is None:
+        # Restarts from tiers 1-2 when tier 0 is asked about and the log has both kinds.
+        durable_runs = [r for r in after if r.restored_tier != "memory"] if i.tier0 else after
+        i.restart = _mean_restart(durable_runs or after)
+    if i.tier0 and i.memory_restart is None and from_memory:
+        i.memory_restart = _mean_restart(from_memory)
+    if i.durable_after is None and i.durable:
+        i.durable_after = i.durable.get("local", next(iter(i.durable.values())))
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    i = _plan_inputs(args)
+    cost, mtbf, restart = i.cost, i.mtbf, i.restart or 0.0
+    assert cost is not None
     try:
         mine = goodput.plan(cost, mtbf, restart)
-        theirs = goodput.plan(blocking, mtbf, restart) if blocking is not None else None
+        theirs = goodput.plan(i.blocking, mtbf, restart) if i.blocking is not None else None
         with_memory = (
             tier0_plan(
                 cost,
                 mtbf,
                 restart,
-                memory_restart or 0.0,
-                DLROVER_SHARE if share is None else share,
-                durable_after or 0.0,
+                i.memory_restart or 0.0,
+                DLROVER_SHARE if i.share is None else i.share,
+                i.durable_after or 0.0,
             )
-            if tier0
+            if i.tier0
             else None
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
-        out: dict[str, Any] = {
-            "young_interval_s": mine.young_interval_s,
-            "daly_interval_s": mine.daly_interval_s,
-            "lost_fraction": mine.lost_fraction,
-            "lost_fraction_young": mine.lost_fraction_young,
-            "cost_s": cost,
-            "cost_source": source,
-            "mtbf_s": mtbf,
-            "restart_s": restart,
+        print(json.dumps(_plan_json(i, restart, mine, theirs, with_memory), indent=1))
+    else:
+        _print_plan(i, restart, mine, theirs, with_memory)
+    return 0
+
+
+def _plan_json(
+    i: _PlanInputs, restart: float, mine: Any, theirs: Any, with_memory: Any
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "young_interval_s": mine.young_interval_s,
+        "daly_interval_s": mine.daly_interval_s,
+        "lost_fraction": mine.lost_fraction,
+        "lost_fraction_young": mine.lost_fraction_young,
+        "cost_s": i.cost,
+        "cost_source": i.source,
+        "mtbf_s": i.mtbf,
+        "restart_s": restart,
+    }
+    if i.durable:
+        out["durable_s"] = i.durable
+    if theirs is not None:
+        out["blocking"] = {
+            "cost_s": theirs.cost_s,
+            "young_interval_s": theirs.young_interval_s,
+            "daly_interval_s": theirs.daly_interval_s,
+            "lost_fraction": theirs.lost_fraction,
         }
-        if durable:
-            out["durable_s"] = durable
-        if theirs is not None:
-            out["blocking"] = {
-                "cost_s": theirs.cost_s,
-                "young_interval_s": theirs.young_interval_s,
-                "daly_interval_s": theirs.daly_interval_s,
-                "lost_fraction": theirs.lost_fraction,
-            }
-        if with_memory is not None:
-            out["tier0"] = dataclasses.asdict(with_memory)
-        print(json.dumps(out, indent=1))
-        return 0
+    if with_memory is not None:
+        out["tier0"] = dataclasses.asdict(with_memory)
+    return out
+
+
+def _print_plan(i: _PlanInputs, restart: float, mine: Any, theirs: Any, with_memory: Any) -> None:
     print(
-        f"checkpoint interval (compute time between saves) for MTBF {format_duration(mtbf)}, restart "
-        f"{format_duration(restart)}; cost per save from {source}"
+        f"checkpoint interval (compute time between saves) for MTBF {format_duration(i.mtbf)}, restart "
+        f"{format_duration(restart)}; cost per save from {i.source}"
     )
     rows = [["", "cost per save", "Young sqrt(2CM)", "Daly", "time lost at Daly's"]]
-    named = [("tiercheck" if source == "run log" else "this save", mine)]
+    named = [("tiercheck" if i.source == "run log" else "this save", mine)]
     if theirs is not None:
         named.append(("blocking save", theirs))
     for name, p in named:
@@ -383,19 +424,18 @@ def run_plan(args: argparse.Namespace) -> int:
                 f"{p.lost_fraction:.2%}",
             ]
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     if with_memory is not None:
         print(format_tier0(with_memory))
     # The host buffer is free again once tier 1 has the step: a save sooner than that waits.
-    first = durable.get("local", next(iter(durable.values()), 0.0))
+    first = i.durable.get("local", next(iter(i.durable.values()), 0.0))
     if first > mine.daly_interval_s:
         print(
             f"note: a save takes {format_duration(first)} to become durable on tier 1, longer than the "
             f"interval: saves would queue behind each other; save at most every {format_duration(first)}"
         )
-    return 0
 
 
 def _share(text: str | None) -> float | None:
@@ -439,7 +479,7 @@ def format_tier0(p: Tier0Plan) -> str:
             f"{p.lost_fraction:.2%}",
         ],
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     saved = p.durable_lost_fraction - p.lost_fraction
     lines.append(f"tier 0 saves {saved:.2%} of the time: {format_duration(saved * 3600)} per GPU-hour")
