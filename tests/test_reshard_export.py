@@ -139,3 +139,31 @@ def test_a_tier_without_every_ranks_part_cannot_assemble(saved_at_4: Path, tmp_p
     with pytest.raises(tiercheck.CheckpointCorruptedError, match="rank 2's part"):
         export_step(root / "ckpt", tmp_path / "o.pt", rank=0)
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_bands_never_read_behind_a_compressed_shards_position(
+    saved_at_2x2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a zstd tier 2, a band that starts inside the block the previous band ended in
+    takes that block from memory: no shard is decompressed again from its start."""
+    from tiercheck.tiers import codec
+    from tiercheck.tiers.local import LocalTier
+    from tiercheck.tiers.remote import RemoteTier
+    from tiercheck.tools.upload import upload_tier_steps
+
+    remote = tmp_path / "zstd"
+    upload_tier_steps(LocalTier(saved_at_2x2 / "ckpt"), RemoteTier(str(remote), compression="zstd"))
+    rewinds = {"opened": 0, "again": 0}
+    original = codec.ZstdFile._rewind
+
+    def counted(self: codec.ZstdFile) -> None:
+        rewinds["again" if hasattr(self, "_reader") else "opened"] += 1
+        original(self)
+
+    monkeypatch.setattr(codec.ZstdFile, "_rewind", counted)
+    monkeypatch.setattr(view_module, "CHUNK", 3 * 4000 + 8)  # 3 rows of `big` per band
+    export_step(remote, tmp_path / "o.pt", rank=2)
+    assert rewinds["opened"] == 4 and rewinds["again"] == 0, rewinds
+    got = _exported("pt", tmp_path / "o.pt")
+    for k, v in global_tensors().items():
+        assert torch.equal(bits(got[k]), bits(v)), k
