@@ -58,10 +58,20 @@ class SaveStager:
         self._pid = os.getpid()
 
     def prepare(self, part: Part) -> None:
-        """Allocate the host buffer for `part` and build its views, ahead of the first save."""
-        buf = self._pool.acquire(part.plan.total_bytes, part.pinned)
-        layout_for(buf, part.flat, part.plan)
-        self._pool.release(buf)
+        """Allocate every host buffer for `part` (up to `host_buffers`: with tier 0 the
+        second is the one the next save copies into while the first holds tier 0's step) and
+        build their views, ahead of the first saves."""
+        held = []
+        try:
+            for _ in range(self._pool.capacity):
+                if not self._pool.available():
+                    break
+                buf = self._pool.acquire(part.plan.total_bytes, part.pinned)
+                held.append(buf)
+                layout_for(buf, part.flat, part.plan)
+        finally:
+            for buf in held:
+                self._pool.release(buf)
 
     def stage(
         self, step: int, part: Part, metrics: tuple[tuple[str, Metric], ...], overlap: bool | None

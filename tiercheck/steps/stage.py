@@ -204,6 +204,15 @@ class HostBufferPool:
         if buf.shm is not None and self.shared is not None:
             self.shared.tier.forget_buffer(buf.shm)
 
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def available(self) -> bool:
+        """Whether `acquire` would return at once (a free buffer, or room for a new one)."""
+        with self._cond:
+            return bool(self._free) or self._count < self._capacity
+
     def release(self, buf: HostBuffer) -> None:
         with self._cond:
             if any(b is buf for b in self._free):  # two owners of one buffer would tear saves
