@@ -166,3 +166,40 @@ def test_node_local_tier1_reads_its_own_parts_and_tier2_for_the_rest(tmp_path):
     shutil.rmtree(tmp_path / "node1")  # the other node is gone: its tier 1 cannot be read
     got = run("restore", 2, tmp_path, {"mesh": [2], "placements": SAVE_4["placements"], "node_local": True})
     assert restored_ok(got), got
+
+
+EMPTY_ADAM = """
+import os, sys, torch, torch.distributed as dist, tiercheck
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+root = sys.argv[1]
+dist.init_process_group("gloo", init_method="file://" + os.path.join(root, "pg"), rank=0, world_size=1)
+def build():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+    return m, torch.optim.Adam(m.parameters(), lr=0.1)
+model, opt = build()
+model(torch.randn(4, 6)).sum().backward()
+opt.step()
+with tiercheck.Checkpointer(local=os.path.join(root, "ckpt"), run_log_interval=None) as ck:
+    ck.save(1, {"model": model, "optim": opt}).wait()
+fresh, empty = build()
+before = [p.full_tensor().clone() for p in fresh.parameters()]
+with tiercheck.Checkpointer(local=os.path.join(root, "ckpt"), run_log_interval=None) as ck:
+    try:
+        ck.restore({"model": fresh, "optim": empty})
+    except tiercheck.StateMismatchError as exc:
+        unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, fresh.parameters()))
+        print("refused", "state" in str(exc) and "initialise" in str(exc), unchanged)
+dist.destroy_process_group()
+"""
+
+
+def test_an_optimizer_without_state_over_dtensors_is_refused_before_any_read(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", EMPTY_ADAM, str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["refused", "True", "True"]

@@ -371,6 +371,7 @@ class _Binder:
             if isinstance(tmpl, torch.optim.Optimizer):
                 sub = _Mode(fill=False, cast=True)
                 self._check_param_groups(tmpl, children.get("param_groups"), path)
+                self._check_dtensor_state(tmpl, children.get("state"), path)
                 if any(p.device.type == "meta" for g in tmpl.param_groups for p in g["params"]):
                     raise self._mismatch(
                         path,
@@ -396,6 +397,31 @@ class _Binder:
             return tmpl
 
         return load
+
+    def _check_dtensor_state(self, opt: torch.optim.Optimizer, node: JsonNode | None, path: str) -> None:
+        """An optimizer over DTensor parameters whose state is still empty cannot say what
+        layout its DTensor state (exp_avg, ...) takes here: refused before a byte is read,
+        rather than loaded as plain tensors that its next step() cannot mix with DTensors."""
+        if opt.state or node is None:
+            return
+        if not any(type(p) not in (torch.Tensor, torch.nn.Parameter) for g in opt.param_groups for p in g["params"]):
+            return
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            t = n.get("t")
+            if t in ("tensor", "ndarray", "npscalar", "bytes"):
+                if self.entries[n["e"]].dtensor is not None:
+                    raise self._mismatch(
+                        key_path(path, "state"),
+                        "the optimizer holds no state yet, so the layout its DTensor state (exp_avg, ...) takes "
+                        "on this mesh is unknown; initialise it first (zero gradients and one optimizer.step() "
+                        "with lr 0, as torch.distributed.checkpoint.state_dict.set_state_dict does), then restore",
+                    )
+            elif t == "dict" or t in ("list", "tuple"):
+                stack.extend(n["v"])
+            elif t == "stateful":
+                stack.append(n["v"])
 
     def _check_param_groups(self, opt: torch.optim.Optimizer, node: JsonNode | None, path: str) -> None:
         """What `Optimizer.load_state_dict` refuses (another number of parameter groups, or of
