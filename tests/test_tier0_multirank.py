@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tiercheck.format import naming
 from tiercheck.plan.peers import peer_load, peer_sources, peer_targets
 
@@ -190,3 +192,27 @@ def test_a_peer_lost_during_a_save_never_hangs_the_others_and_the_replaced_node_
     # the newest step every rank has is 1 (node 0 from tier 1, node 1 from tier 2 or copies).
     assert [g["step"] for g in got] == [1] * 4
     assert all(g["exact"] for g in got)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (docs/reliability.md): rank 0's vote counts reports, not ranks")
+def test_a_retried_save_never_makes_rank_0_wait_past_the_timeout_for_a_dead_rank():
+    """A rank whose save(5) raised reported its part as failed, then its retried save(5)
+    reported again; rank 2 is dead. Rank 0's vote must give up within coordination_timeout
+    (1 s here), not block on rank 2's missing part until the store's own timeout (6 s)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tiercheck.errors import CoordinationError
+    from tiercheck.job.commit import CommitVote, PartReport
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=6), wait_for_workers=False)
+    votes = [CommitVote(store, r, 3, "p/", timeout=1.0) for r in range(3)]
+    ok = {"name": "x.shard", "length": 1, "checksum": "0"}
+    votes[1].report(5, "local", PartReport(1, None, "save() raised TierError"))  # abandon_save's report
+    votes[1].report(5, "local", PartReport(1, ok, None, ""))  # the retried save(5)
+    votes[0].report(5, "local", PartReport(0, ok, None, ""))
+    t0 = time.monotonic()
+    with pytest.raises(CoordinationError):
+        votes[0].decide(5, "local", lambda refs: b"marker")
+    assert time.monotonic() - t0 < 3.0
