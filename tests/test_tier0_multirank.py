@@ -194,7 +194,6 @@ def test_a_peer_lost_during_a_save_never_hangs_the_others_and_the_replaced_node_
     assert all(g["exact"] for g in got)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (docs/reliability.md): rank 0's vote counts reports, not ranks")
 def test_a_retried_save_never_makes_rank_0_wait_past_the_timeout_for_a_dead_rank():
     """A rank whose save(5) raised reported its part as failed, then its retried save(5)
     reported again; rank 2 is dead. Rank 0's vote must give up within coordination_timeout

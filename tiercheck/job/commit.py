@@ -75,7 +75,14 @@ class CommitVote(StoreClient):
         deadline = time.monotonic() + self.timeout
         try:
             what = f"every rank's part of step {step}"
-            self._poll(lambda: self._count(f"{base}n") >= self.world_size, deadline, what)
+            keys = [f"{base}part/{r}" for r in range(self.world_size)]
+            # The count alone is not enough: a rank whose save() raised and was retried reports
+            # twice, so the count can reach the world size while a dead rank never reported.
+            self._poll(
+                lambda: self._count(f"{base}n") >= self.world_size and bool(self._op(lambda s: s.check(keys))),
+                deadline,
+                what,
+            )
         except CoordinationError:
             missing = [r for r in range(self.world_size) if not self._has(f"{base}part/{r}")]
             who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {ranges(missing)}"
