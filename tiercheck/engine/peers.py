@@ -33,7 +33,7 @@ from ..job.peers import Incoming, Outgoing, PeerLink, PeerLinkError
 from ..observe.events import logger
 from ..plan.peers import peer_sources, peer_targets
 from ..plan.retention import KeepLast, plan_deletions
-from ..steps.write import commit_received
+from ..steps.write import commit_received, mark_received
 from ..tiers.memory import SharedMemoryTier, ShmBuffer, node_identity, replica_root
 from ..tiers.throttle import RateLimiter
 
@@ -62,6 +62,7 @@ class PeerCopies:
         self.keep = keep
         self.broken: str | None = None  # why the link is not used any more
         self._restores = 0
+        self._fetched: bytes | None = None  # the marker of a part fetched back at restore
 
     def held(self, source: int) -> SharedMemoryTier:
         """The store of the copies this rank holds of `source`."""
@@ -153,18 +154,31 @@ class PeerCopies:
         if plan is None:
             return None
         step, transfers = plan
-        for holder, owner in transfers:
-            try:
+        self._fetched = None
+        try:
+            for holder, owner in transfers:
                 if holder == self.rank:
                     store = self.held(owner)
                     shard = _map_shard(store, step, owner, coord.world_size)
                     self.link.send_one(owner, self._outgoing(store, step, shard))
                 elif owner == self.rank:
                     self.link.receive_one(holder, step, self._accept_own)
-            except (PeerLinkError, OSError) as exc:
-                self.broken = str(exc)
-                logger.warning("tiercheck: could not fetch tier-0 copies at restore: %s", exc)
-                return None
+        except (PeerLinkError, OSError) as exc:
+            self.broken = str(exc)
+            self._fetched = None
+            logger.warning("tiercheck: could not fetch tier-0 copies at restore: %s", exc)
+        # Every part of a node's directory in before any rank of it writes the marker: a
+        # marker first would make the step committed there with a part still missing.
+        coord._op(lambda s: s.set(f"{base}done/{self.rank}", b"1"))
+        done = [f"{base}done/{r}" for r in range(coord.world_size)]
+        coord._poll(lambda: bool(coord._op(lambda s: s.check(done))), deadline + coord.timeout, "every rank's fetch")
+        if self._fetched is None:
+            return None
+        try:
+            mark_received(self.memory, step, self._fetched)
+        except OSError as exc:
+            logger.warning("tiercheck: could not commit the fetched tier-0 part of step %d: %r", step, exc)
+            return None
         return step
 
     def _accept_own(self, source: int, nbytes: int, step: int) -> Incoming | None:
@@ -176,7 +190,8 @@ class PeerCopies:
         shard = torch.frombuffer(buf.map, dtype=torch.uint8)
 
         def done(marker: bytes, manifest: bytes) -> None:
-            _commit_copy(tier, buf, step, self.rank, self.group.coord.world_size, marker, manifest, shard)
+            _commit_copy(tier, buf, step, self.rank, self.group.coord.world_size, None, manifest, shard)
+            self._fetched = marker  # written once every rank's fetch is done
 
         return Incoming(shard, done)
 
@@ -218,12 +233,13 @@ def _commit_copy(
     step: int,
     owner: int,
     world: int,
-    marker: bytes,
+    marker: bytes | None,
     manifest: bytes,
     shard: torch.Tensor,
 ) -> None:
     """Commit a received part on `tier` as `owner`'s: the shard file is the buffer it was
-    received into (moved in), the manifest and marker the source's bytes."""
+    received into (moved in), the manifest and marker the source's bytes (marker None: the
+    part only, the caller writes the marker once every part is in)."""
     if os.path.lexists(tier.path_of(step, naming.shard_name(owner, world))):  # this part is there already
         tier.forget_buffer(buf)
         return

@@ -33,6 +33,7 @@ __all__ = [
     "StagedSave",
     "commit_parts",
     "commit_received",
+    "mark_received",
     "write_manifest",
     "write_part",
     "write_regions",
@@ -203,11 +204,19 @@ def commit_parts(tier: Tier, parts: Sequence[tuple[StepWriter, ManifestRef]], ma
     tier.write_marker(marker.step, encode_marker(dataclasses.replace(marker, manifests=tuple(r for _, r in parts))))
 
 
-def commit_received(tier: Tier, writer: StepWriter, step: int, marker: bytes) -> None:
+def commit_received(tier: Tier, writer: StepWriter, step: int, marker: bytes | None) -> None:
     """Commit a part received whole from another node (a tier-0 copy, or one sent back at
     restore): its files are written; the step's marker goes in as the bytes that came, since
-    it lists every rank's manifest (a reader verifies it, then the manifest against it)."""
+    it lists every rank's manifest (a reader verifies it, then the manifest against it).
+    `marker` None: publish the part only; `mark_received` writes the marker once every part
+    of the directory is in (ranks of one node receiving theirs at the same time)."""
     writer.publish_part()
+    if marker is not None:
+        mark_received(tier, step, marker)
+
+
+def mark_received(tier: Tier, step: int, marker: bytes) -> None:
+    """The marker of a step whose parts were received (`commit_received`), last."""
     tier.write_marker(step, marker)
 
 
