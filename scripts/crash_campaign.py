@@ -1,13 +1,13 @@
 """Crash campaign from the command line: SIGKILL a saving process at instants aimed at every
 phase of the save path, then check what it left on every tier (the campaign and its checks:
-`tests/crash_campaign.py`).
+`tests/helpers/crash_campaign.py`).
 
 Usage::
 
     python scripts/crash_campaign.py --kills 1000 [--seed N] [--widen 0.02] [--local-only] [--memory]
 
 It prints a progress line every 50 kills and the figures as markdown tables; the exit
-status is 1 if any check failed. ``tests/test_crash.py`` runs the same campaign CI-sized.
+status is 1 if any check failed. ``tests/procs/test_crash.py`` runs the same campaign CI-sized.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: `tests.crash_campaign`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: `tests.helpers.crash_campaign`
 
-from tests.crash_campaign import Config, Figures, run_campaign, worker
+from tests.helpers.crash_campaign import Config, Figures, run_campaign, worker
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,8 +15,8 @@ import tiercheck
 from tiercheck.testing import Faults, FaultyTier
 from tiercheck.tiers import open_tier
 
-# tests.markers derives the procs, servers and root markers from what each test does
-pytest_plugins = ["tests.servers.plugin", "tests.markers"]
+# tests.helpers.markers derives the procs, servers and root markers from what each test does
+pytest_plugins = ["tests.helpers.servers.plugin", "tests.helpers.markers"]
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ with fsspec, s3fs and DCP moving the same bytes to the same S3 server.
     python benchmarks/remote/network_speed.py --size-mib 256 --repeats 3 --json out.json
     python benchmarks/remote/network_speed.py --quick              # 32 MiB, 1 repeat: a smoke run
 
-SeaweedFS is started on 127.0.0.1, and a shaping proxy (tests/servers/shapingproxy.py, in a
+SeaweedFS is started on 127.0.0.1, and a shaping proxy (tests/helpers/servers/shapingproxy.py, in a
 process of its own) in front of it caps each TCP connection at ``--rate-mbps`` (25 MB/s)
 and adds ``--rtt-ms`` (20 ms) of round trip: what one S3 connection gets on a real network.
 Per repeat, methods in rotated order, all through the proxy unless marked direct:
@@ -59,7 +59,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter  # noqa: E402
 
 import tiercheck  # noqa: E402
-from tests.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
+from tests.helpers.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
 from tiercheck.format import naming  # noqa: E402
 from tiercheck.steps.catalog import read_manifest, verify_files  # noqa: E402
 from tiercheck.tiers.local import LocalTier  # noqa: E402

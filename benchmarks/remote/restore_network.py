@@ -5,7 +5,7 @@ through the same shaped link, in one run (issue 23, item 20).
     python benchmarks/remote/restore_network.py --cases 64:10:7
     python benchmarks/remote/restore_network.py --profile   # plus one traced restore per case
 
-SeaweedFS on 127.0.0.1; per case a shaping proxy (tests/servers/shapingproxy.py, a process
+SeaweedFS on 127.0.0.1; per case a shaping proxy (tests/helpers/servers/shapingproxy.py, a process
 of its own) caps each TCP connection at RATE MiB/s and adds ``--rtt-ms`` of round trip. A
 case is ``SIZE_MIB:RATE_MIBPS[:REPEATS]`` (repeats default to ``--repeats``). The step is
 saved once (without the proxy); then, per repeat, in rotated order, each through the proxy
@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 import tiercheck  # noqa: E402
 from benchmarks.common import git_rev  # noqa: E402
-from tests.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
+from tests.helpers.servers import SeaweedFS, ShapingProxyProcess  # noqa: E402
 from tiercheck.format import naming  # noqa: E402
 
 MiB = 1 << 20

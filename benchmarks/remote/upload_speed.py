@@ -1,5 +1,5 @@
 """Upload speed of the remote tier: tiercheck vs a plain fsspec ``put_file`` of the same
-shard file to the same S3 server (SeaweedFS, started here from tests/servers), side by side.
+shard file to the same S3 server (SeaweedFS, started here from tests/helpers/servers), side by side.
 
     python benchmarks/remote/upload_speed.py --size-mib 512 --repeats 5 --json out.json
     python benchmarks/remote/upload_speed.py --quick
@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 import tiercheck  # noqa: E402
 from benchmarks.common import drop_file_cache  # noqa: E402
-from tests.servers import SeaweedFS  # noqa: E402
+from tests.helpers.servers import SeaweedFS  # noqa: E402
 from tiercheck.format import naming  # noqa: E402
 
 MiB = 1 << 20

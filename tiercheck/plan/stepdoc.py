@@ -1,7 +1,7 @@
 """What one rank's manifest of a step says: a pure function of the staged save.
 
 The one builder of a manifest (no other module constructs `Manifest`, which
-`tests/test_write_path.py` checks): the writer (`steps/write.py`) and `tiercheck import`
+`tests/steps/test_write_path.py` checks): the writer (`steps/write.py`) and `tiercheck import`
 (`tools/step_writer.py`) build one from the save's leaves, their offsets in the shard and
 their checksums; every writer records it as its tier stored the shards (`stored_as`:
 compressed, or packed without another rank's replicated keys).

@@ -212,7 +212,7 @@ def first_present_manifest(tier: Tier, step: int, marker: Marker) -> Manifest:
 class ShardFiles:
     """The one shard opener: the shard files of committed `step` on `tier`, open for reading
     their bytes as the manifest declares them. Every reader of shard bytes goes through it
-    (restore, `load`, `verify_files`, the tools, both uploaders); `tests/test_read_path.py`
+    (restore, `load`, `verify_files`, the tools, both uploaders); `tests/steps/test_read_path.py`
     checks that no other module opens a shard.
 
     Each file is opened once (two manifests naming one file must agree on it); a missing

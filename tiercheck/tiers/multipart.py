@@ -52,7 +52,7 @@ MIN_PART = 1 * MiB  # smaller parts cost more in requests than they gain
 # Ranged reads: each request pays a round trip and the server's first-byte time, so larger
 # pieces waste less of a connection (S3 advises 8-16 MB); but the reader waits for a whole
 # piece on one connection, so smaller ones keep it moving. A 256 MiB restore through a 25
-# MB/s x 20 ms shaped link (tests/servers/shapingproxy.py, 2 runs on 2026-12-01) reached
+# MB/s x 20 ms shaped link (tests/helpers/servers/shapingproxy.py, 2 runs on 2026-12-01) reached
 # 0.51x the link limit with pieces up to 16 MiB, 0.74-0.78x with pieces up to 4 or 8 MiB.
 # A file is cut into pieces of one size (`read_piece_size`), at most about MAX_READ_PIECE.
 MIN_READ_PIECE = 1 * MiB
