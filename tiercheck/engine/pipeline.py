@@ -360,20 +360,22 @@ class Pipeline:
             error = self._write_from_buffer(tier, item, "writing")
         except StagingAborted:
             return
-        self._copy_to_peers(item, in_memory)  # before the buffer (the shard sent) goes back
         if error is None:
-            self._pool.release(item.buffer)
             if self._uploads is not None:
-                self._uploads.upload(item)
-        elif self._uploads is not None:
+                self._uploads.upload(item)  # from the tier-1 files: the buffer is not needed
+            self._finish(item.step, tier.name, None)  # durable on tier 1 now, copies or not
+            self._report(self._prune_fast(item.step))
+            self._copy_to_peers(item, in_memory)  # before the buffer (the shard sent) goes back
+            self._pool.release(item.buffer)
+            return
+        self._copy_to_peers(item, in_memory)
+        if self._uploads is not None:
             # Tier 1 failed (disk full, say): the snapshot is still in host memory, so it
             # goes to tier 2 from there, and the step is not lost with the local disk.
             self._uploads.from_buffer(item)
         else:
             self._pool.release(item.buffer)
         self._finish(item.step, tier.name, error)
-        if error is None:
-            self._report(self._prune_fast(item.step))
 
     def _copy_to_peers(self, item: StagedSave, in_memory: bool) -> None:
         """Every rank takes part in every step's exchange, with or without a copy to send."""
