@@ -8,15 +8,12 @@ over gloo has been wrong in some torch versions)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.procs.test_reshard import free_port
+from tests.helpers.ranks import run_ranks
 from tiercheck.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,27 +28,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(mode: str, world: int, root: Path) -> list[dict]:
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, mode, str(r), str(world), str(port), str(root)],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r}:\n{logs[r]}"
+    run_ranks(WORKER, world, lambda r, port: [mode, str(r), str(world), str(port), str(root)])
     got = [json.loads((root / f"result-{mode}-{r}.json").read_text()) for r in range(world)]
     assert all(g.get("ok") for g in got), [g.get("trace", g) for g in got]
     return got

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,37 +22,12 @@ from tiercheck.plan.reshard import Piece, intersect, plan_box
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "reshard_worker.py")
 sys.path.insert(0, str(REPO))
+from tests.helpers.ranks import free_port, run_ranks  # noqa: E402, F401
 from tests.helpers.reshard_worker import bits, global_tensors  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(mode: str, world: int, root: Path, spec: dict) -> list[dict]:
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, mode, str(r), str(world), str(port), str(root), json.dumps(spec)],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r}:\n{logs[r]}"
+    run_ranks(WORKER, world, lambda r, port: [mode, str(r), str(world), str(port), str(root), json.dumps(spec)])
     return [json.loads((root / f"result-{mode}-{r}.json").read_text()) for r in range(world)]
 
 

@@ -15,15 +15,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.ranks import run_ranks
 from tiercheck.format import naming
 from tiercheck.plan.peers import peer_load, peer_sources, peer_targets
 
@@ -32,48 +29,16 @@ WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "tier0_worker.py"
 LAST = 3  # tier0_worker.STEPS - 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_job(
     scenario: str, nodes: list[int], root: Path, env: dict[str, str] | None = None, killed: frozenset[int] = frozenset()
 ) -> list[dict]:
     """Run one job (a process per rank) to its end; the ranks in `killed` must die by SIGKILL
     (their result is None), the others exit 0 having written their result."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                WORKER,
-                scenario,
-                str(r),
-                str(len(nodes)),
-                str(port),
-                str(root),
-                ",".join(map(str, nodes)),
-            ],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(len(nodes))
-    ]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=300)
-            logs.append(out)
-    finally:
-        for p in procs:
-            p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == (-signal.SIGKILL if r in killed else 0), f"rank {r} (exit {p.returncode}):\n{logs[r]}"
+    node_list = ",".join(map(str, nodes))
+    run_ranks(
+        WORKER, len(nodes), lambda r, port: [scenario, str(r), str(len(nodes)), str(port), str(root), node_list],
+        env=env, killed=killed,
+    )
     return [
         None if r in killed else json.loads((root / f"result-{scenario}-{r}.json").read_text())
         for r in range(len(nodes))

@@ -21,7 +21,7 @@ from typing import Any
 
 from .process import ObjectStoreServer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 ACCOUNT = "devstoreaccount1"
 # Azurite's well-known, public development key (not a secret).
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
