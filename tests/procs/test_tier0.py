@@ -276,3 +276,27 @@ def test_sigkill_at_any_point_of_a_tier0_save_leaves_a_restorable_step(tmp_path)
         assert step is not None and state["step"] == step
         g = torch.Generator().manual_seed(step)
         assert torch.equal(state["w"], torch.randn(2000, 500, generator=g))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_tmpfs_just_big_enough_for_the_buffers_keeps_every_step(tmp_path, caplog):
+    """Committing a tier-0 step moves a buffer that is already allocated: no free space is
+    needed then, so a shared-memory filesystem with room for the buffers and little more keeps
+    every step in memory (no space check refuses it)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shard = state_at(0)["w"].numel() * 4 + 8192  # w, b (and alignment): under 1.1 MB
+    size_kib = (2 * shard + 300 * 1024) // 1024  # two buffers (host_buffers=2) and 300 KiB
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(shm)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with tiercheck.Checkpointer(
+            local=tmp_path / "ckpt", memory=True, memory_dir=str(shm), job_id="tight", run_log_interval=None
+        ) as ck:
+            for k in range(4):
+                h = ck.save(k, state_at(k))
+                h.wait("memory")
+                assert ck.steps("memory")[-1] == k
+            ck.wait()
+    finally:
+        subprocess.run(["umount", str(shm)])

@@ -109,7 +109,9 @@ class SharedBuffers:
         if not self.enabled or nbytes < 1:
             return None
         try:
-            need = nbytes * self.copies
+            # What this rank will still allocate, this buffer included: the ones it holds
+            # already took their room when they were made.
+            need = nbytes * max(1, self.copies - self.tier.buffer_count)
             free = space_free(self.tier.memory_dir)
             if free < need:
                 raise OSError(

@@ -174,8 +174,10 @@ class SharedMemoryTier(LocalTier):
         source: where the id came from, recorded for ``tiercheck memory ls``.
     """
 
+    # No space check: a step's shard is a buffer already allocated (and checked for room
+    # when it was, `SharedBuffers`); moving it into the step takes no space.
     capabilities = Capabilities(
-        space_check=True, strays=True, writer_lock=True, local_files=True, deferred_reclaim=False, rank_parts=True
+        space_check=False, strays=True, writer_lock=True, local_files=True, deferred_reclaim=False, rank_parts=True
     )
 
     def __init__(
@@ -210,6 +212,11 @@ class SharedMemoryTier(LocalTier):
         buf = ShmBuffer(self.buffers_dir, rank, nbytes)
         self._buffers.append(buf)
         return buf
+
+    @property
+    def buffer_count(self) -> int:
+        """How many buffers of this process are alive."""
+        return len(self._buffers)
 
     def forget_buffer(self, buf: ShmBuffer) -> None:
         """`buf` is freed: its file goes unless it holds a committed step (which then stays
