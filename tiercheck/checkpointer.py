@@ -659,7 +659,7 @@ class Checkpointer:
                 return
             self._pipeline.close()
             self._pool.clear()
-            if self._memory is not None and not (sig is not None and sig.received):
+            if self._memory is not None and self._pipeline.writing and not (sig is not None and sig.received):
                 # A finished job's memory goes; a preempted one keeps it for its restart.
                 self._memory.close_job()
             self._raise_background_errors()

@@ -300,3 +300,22 @@ def test_a_tmpfs_just_big_enough_for_the_buffers_keeps_every_step(tmp_path, capl
             ck.wait()
     finally:
         subprocess.run(["umount", str(shm)])
+
+
+def test_a_reader_with_memory_on_changes_nothing_in_tier0(tmp_path):
+    """A Checkpointer that only restores (an evaluation script beside the job) reads tier 0
+    and, closing, leaves it as it was: only a finished writer removes its memory."""
+    (tmp_path / "shm").mkdir()
+    opts = {"local": tmp_path / "ckpt", "memory": True, "memory_dir": str(tmp_path / "shm"), "job_id": "live"}
+    writer = tiercheck.Checkpointer(**opts, run_log_interval=None)
+    writer.save(0, state_at(0)).wait()
+    root = memory_root(tmp_path, "live")
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    state = template()
+    with tiercheck.Checkpointer(**opts, run_log_interval=None) as reader:
+        assert reader.restore(state) == 0
+    assert same(state, state_at(0))
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+    assert writer.steps("memory") == [0]
+    writer.close()
+    assert not root.exists()  # the writer, finished, frees it

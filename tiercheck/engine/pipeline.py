@@ -175,6 +175,12 @@ class Pipeline:
                     logger.info("removed leftover %s from an interrupted save or deletion", path)
         self._writing = True
 
+    @property
+    def writing(self) -> bool:
+        """Whether this session became a writer (`become_writer`): a session that only read
+        changes nothing on any tier, its close included."""
+        return self._writing
+
     def start_catch_up(self) -> None:
         """Queue, once per session, the upload of the tier-1 steps an earlier run committed but
         never uploaded, where tier 2 would keep them (after `become_writer`)."""
