@@ -63,16 +63,16 @@ class PeerCopies:
         self.broken: str | None = None  # why the link is not used any more
         self._restores = 0
         self._fetched: bytes | None = None  # the marker of a part fetched back at restore
+        self._held: dict[int, SharedMemoryTier] = {}
 
     def held(self, source: int) -> SharedMemoryTier:
-        """The store of the copies this rank holds of `source`."""
-        return SharedMemoryTier(
-            self.memory.memory_dir,
-            self.memory.job_id,
-            self.memory.source,
-            rank=source,
-            root=replica_root(self.memory.root, source),
-        )
+        """The store of the copies this rank holds of `source` (made once per source)."""
+        store = self._held.get(source)
+        if store is None:
+            m = self.memory
+            store = SharedMemoryTier(m.memory_dir, m.job_id, m.source, rank=source, root=replica_root(m.root, source))
+            self._held[source] = store
+        return store
 
     # -- after every save (writer thread) ------------------------------------------------
 

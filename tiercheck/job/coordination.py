@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from ..format.manifest import ManifestRef, Marker, encode_marker
 from ..observe.events import logger
 from ..plan.settings import JobOptions
 from ..tiers.base import StepWriter, Tier
+from ..tiers.memory import node_identity as directory_identity
 from .agreement import RestoreAgreement, SaveRequests
 from .commit import CommitVote, PartReport, vote_commit
 from .store import from_process_group, instance_prefix
@@ -57,11 +57,11 @@ class Coordinator(CommitVote, RestoreAgreement):
 
 
 def node_identity(path: str) -> str:
-    """Which directory `path` is, across the job: host name plus device and inode, so ranks
-    sharing a node-local directory (or one path on a shared filesystem) find each other."""
+    """Which directory `path` is, across the job (created if missing): host name plus device
+    and inode (`tiers.memory.node_identity`), so ranks sharing a node-local directory (or one
+    path on a shared filesystem) find each other."""
     os.makedirs(path, exist_ok=True)
-    st = os.stat(path)
-    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
+    return directory_identity(path)
 
 
 

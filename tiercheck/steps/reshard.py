@@ -23,15 +23,15 @@ position) cannot be resharded implicitly.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError
 from ..format.checksum import checksum_function
 from ..format.dtypes import TORCH_DTYPES
-from ..format.manifest import Entry, Manifest, Marker, decode_key
+from ..format.manifest import Entry, Manifest, Marker
 from ..format.tree import JsonNode
 from ..plan.reshard import Piece, PieceRead, plan_box
 from ..tiers.base import Tier
@@ -181,22 +181,18 @@ class Resharder:
         try:
             for path, dest, box, e in self._fills:
                 pieces = self._pieces(path) or [(self.rank, e)]
-                by_piece: dict[int, tuple[int, Entry]] = {}
-                plan_input = []
+                ref = e.dtensor
+                assert ref is not None
                 for r, pe in pieces:
                     info = pe.dtensor
                     assert info is not None
-                    block = info.block if info.blocks else 0
-                    p = Piece(r, tuple(info.offsets), tuple(pe.shape), dest.element_size(), block)
-                    ref = e.dtensor
-                    assert ref is not None
                     if pe.dtype != e.dtype or tuple(info.global_shape) != tuple(ref.global_shape):
                         raise CheckpointCorruptedError(
                             f"step {self.step}: {path}: saved rank {r}'s piece is {pe.dtype} of global shape "
                             f"{list(info.global_shape)}, another rank's says {e.dtype} {list(ref.global_shape)}"
                         )
-                    by_piece[id(p)] = (r, pe)
-                    plan_input.append(p)
+                plan_input = pieces_of(pieces, dest.element_size())
+                by_piece = {id(p): saved for p, saved in zip(plan_input, pieces, strict=True)}
                 try:
                     reads = plan_box(box, plan_input)
                 except ValueError as exc:
@@ -283,7 +279,7 @@ def read_piece(
             last.keep(rd.piece.holder, e.file, e.offset + rd.start + lo, view[lo:])
     elif digest(view) != e.checksum:
         raise CheckpointCorruptedError(f"{where}: checksum mismatch")
-    row_bytes = rd.piece.itemsize * _prod(rd.piece.sizes[1:])
+    row_bytes = rd.piece.itemsize * math.prod(rd.piece.sizes[1:])
     lo = rd.row0 * row_bytes - rd.start if rd.piece.sizes else 0
     raw = torch.frombuffer(buf, dtype=torch.uint8)[lo : lo + rd.rows * row_bytes if rd.piece.sizes else None]
     rows = raw.view(dest.dtype).reshape((rd.rows, *rd.piece.sizes[1:]) if rd.piece.sizes else ())
@@ -298,13 +294,6 @@ def pieces_of(saved: Sequence[tuple[int, Entry]], itemsize: int) -> list[Piece]:
         info = e.dtensor
         assert info is not None
         out.append(Piece(r, tuple(info.offsets), tuple(e.shape), itemsize, info.block if info.blocks else 0))
-    return out
-
-
-def _prod(xs: Sequence[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
     return out
 
 
@@ -328,28 +317,14 @@ def _fingerprint(node: JsonNode, entries: Sequence[Entry]) -> object:
     return (t, str(node.get("v")))
 
 
-def consistent_keys(manifests: Sequence[Manifest]) -> tuple[set[tuple[str, ...]], list[str]]:
-    """(top-level keys every saved rank holds alike, names of those whose ranks differ)."""
+def consistent_keys(manifests: Sequence[Manifest]) -> set[tuple[str, ...]]:
+    """The top-level keys (encoded) every saved rank holds alike."""
     ref = manifests[0]
     same: set[tuple[str, ...]] = set()
-    differ: list[str] = []
     views = [dict(zip((tuple(k) for k in m.tree["k"]), m.tree["v"], strict=True)) for m in manifests]
     for k in ref.tree["k"]:
         key = tuple(k)
         prints = {_fingerprint(v[key], m.entries) if key in v else None for v, m in zip(views, manifests, strict=True)}
         if len(prints) == 1 and None not in prints:
             same.add(key)
-        else:
-            differ.append(repr(decode_key(list(key))))
-    return same, differ
-
-
-@contextlib.contextmanager
-def closing(r: Resharder | None) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        if r is not None:
-            for src in (r._sources or {}).values():
-                if src.files is not None:
-                    src.files.close()
+    return same

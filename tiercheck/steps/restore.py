@@ -771,7 +771,7 @@ def _resized_view(
     keep = set(replicated)
     left: list[str] = []
     if per_rank:
-        alike, _ = consistent_keys(resharder.all_manifests())
+        alike = consistent_keys(resharder.all_manifests())
         keep |= {k for k in per_rank if k in alike}
         bad = [f"{ROOT}[{decode_key(list(k))!r}]" for k in per_rank if k not in alike]
         if wanted is None:  # no template (`load`): what every new rank may hold, no more

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, SnapshotChangedError
+from ..format import naming
 from ..format.tree import Leaf
+from ..observe.events import logger
 from ..plan.shards import ALIGNMENT, ShardPlan
 from ..state.flatten import FlatState
 from ..tiers.memory import SharedMemoryTier, ShmBuffer, space_free
@@ -127,8 +129,6 @@ class SharedBuffers:
             return
         self.enabled = False
         self.reason = why
-        from ..observe.events import logger
-
         logger.warning(
             "tiercheck: tier 0 (memory) is off for rank %d: %s (%s). Saves go on to the other tiers; "
             "give it room (memory_dir=, a larger /dev/shm, fewer host_buffers/keep_memory) to turn it on",
@@ -234,8 +234,6 @@ def _held_step(buf: HostBuffer) -> int:
     """The step tier 0 holds in `buf` (-1: none), to reuse the oldest first."""
     if buf.shm is None:
         return -1
-    from ..format import naming
-
     step = naming.parse_step_dir(os.path.basename(os.path.dirname(buf.shm.path)))
     return -1 if step is None else step
 

@@ -88,9 +88,10 @@ def job_identity(job_id: str | None, local: str | None, remote: str | None) -> t
 
 
 def node_identity(memory_dir: str) -> str:
-    """Which node a shared-memory directory belongs to: host name, device and inode. Two
-    processes given different directories on one machine count as two nodes (how tests
-    simulate nodes); a replica is never placed on its own node."""
+    """Which node a shared-memory directory belongs to: host name, device and inode (the
+    identity the job also gives tier-1 directories). Two processes given different
+    directories on one machine count as two nodes (how tests simulate nodes); a replica is
+    never placed on its own node."""
     st = os.stat(memory_dir)
     return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
 
