@@ -39,6 +39,50 @@ def checksum_function(algorithm: str) -> Callable[[Buffer], str]:
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; choose one of {ALGORITHMS}")
 
 
+# CRC-32C of a concatenation from the CRCs of its parts, so that parts of one entry can be
+# read and hashed on several threads: a CRC is linear over GF(2), so crc(a + b) is crc(a)
+# multiplied by x^(8 len(b)) modulo the polynomial, plus crc(b). Polynomials are 32-bit ints
+# in the reflected bit order CRC-32C uses (the bit of x^0 is bit 31).
+_CASTAGNOLI = 0x82F63B78
+
+
+def _mul_mod(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the CRC-32C polynomial (reflected)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CASTAGNOLI if b & 1 else b >> 1
+
+
+def _powers() -> tuple[int, ...]:
+    out, p = [], 1 << 30  # x^1
+    for _ in range(64):
+        out.append(p)  # x^(2^k)
+        p = _mul_mod(p, p)
+    return tuple(out)
+
+
+_X_2K = _powers()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32C of ``a + b`` from ``crc1`` of ``a``, ``crc2`` of ``b`` and ``len(b)``
+    (under 2^60 bytes)."""
+    if not 0 <= len2 < 1 << 60:
+        raise ValueError(f"length out of range: {len2}")
+    shift, k, n = 1 << 31, 3, len2  # x^0; one byte is x^8 = x^(2^3)
+    while n:
+        if n & 1:
+            shift = _mul_mod(_X_2K[k], shift)
+        n >>= 1
+        k += 1
+    return _mul_mod(shift, crc1) ^ crc2
+
+
 class StreamingChecksum(Protocol):
     def update(self, data: Buffer) -> None: ...
     def hexdigest(self) -> str: ...

@@ -272,6 +272,10 @@ class ShardFiles:
             except EOFError as exc:
                 raise CheckpointCorruptedError(str(exc)) from None
 
+    def concurrent(self, name: str) -> bool:
+        """Whether `read_into` of shard `name` may run on several threads at once."""
+        return self._files[name].concurrent
+
     def read(self, name: str, offset: int, n: int) -> bytes:
         """`n` (decoded) bytes of shard `name` from `offset`."""
         buf = bytearray(n)

@@ -7,8 +7,10 @@ when the whole step verified are plain values written and `load_state_dict` call
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Union
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError, StepPrunedError
-from ..format.checksum import checksum_function, checksum_stream
+from ..format.checksum import checksum_function, checksum_stream, crc32c_combine
 from ..format.dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
 from ..format.manifest import Entry, Manifest, collector_paused, decode_key
 from ..format.tree import ROOT, JsonNode, decode_plain, key_path
@@ -822,11 +824,13 @@ def _read_verified(
     progress: ProgressCallback | None = None,
 ) -> None:
     """Read every entry in file order, checksumming on a helper thread chunk by chunk while
-    the next chunk is read, so verification costs no time when the disk is the bottleneck.
+    the next chunk is read, so verification costs no time when the disk is the bottleneck;
+    large entries of local shards on several threads instead (`_read_large_parallel`).
     Runs of small entries (`_small_runs`) take one read and one task each, which checks
     them and only then copies them to their destinations (`_verify_run`)."""
     pending: list[tuple[Entry, Future[str]]] = []
     batched: list[tuple[list[_Read], Future[list[str]]]] = []
+    checked: list[tuple[Entry, str]] = []
     total = sum(r.entry.length for r in reads)
     done = 0
     with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-verify") as hasher:
@@ -840,22 +844,28 @@ def _read_verified(
                 if progress is not None:
                     done += sum(r.entry.length for r in run)
                     progress(done, total)
-            for r in large:
-                e, dest = r.entry, _writable(r.dest)
-                h = checksum_stream(algorithm)
-                for pos in range(0, len(dest), READ_CHUNK):
-                    chunk = dest[pos : pos + READ_CHUNK]
-                    files.read_into(e.file, e.offset + pos, chunk)
-                    hasher.submit(h.update, chunk)
+            if _in_parallel(files, large):
+                for n in _read_large_parallel(files, large, algorithm, checked):
                     if progress is not None:
-                        done += len(chunk)
+                        done += n
                         progress(done, total)
-                pending.append((e, hasher.submit(h.hexdigest)))
+            else:
+                for r in large:
+                    e, dest = r.entry, _writable(r.dest)
+                    h = checksum_stream(algorithm)
+                    for pos in range(0, len(dest), READ_CHUNK):
+                        chunk = dest[pos : pos + READ_CHUNK]
+                        files.read_into(e.file, e.offset + pos, chunk)
+                        hasher.submit(h.update, chunk)
+                        if progress is not None:
+                            done += len(chunk)
+                            progress(done, total)
+                    pending.append((e, hasher.submit(h.hexdigest)))
         except BaseException:
             for fut in [f for _, f in pending] + [f for _, f in batched]:
                 fut.cancel()
             raise
-        checked = [(e, fut.result()) for e, fut in pending]
+        checked += [(e, fut.result()) for e, fut in pending]
         checked += [(r.entry, digest) for run, bfut in batched for r, digest in zip(run, bfut.result(), strict=True)]
         for e, digest in checked:
             if digest != e.checksum:
@@ -863,6 +873,77 @@ def _read_verified(
                     f"{tier.path_of(step, e.file)}: checksum mismatch for {e.path} "
                     f"(bytes {e.offset}..{e.offset + e.length})"
                 )
+
+
+def _in_parallel(files: ShardFiles, reads: Sequence[_Read]) -> bool:
+    """Whether large reads go to `_read_large_parallel`: more than one thread to use, more
+    than one piece to read, and every shard read a positional read of a local file (tier 0
+    in shared memory, tier 1 on NVMe); a decoder or a remote reader keeps state."""
+    pieces = sum(-(-r.entry.length // _PIECE) for r in reads)
+    return _READERS > 1 and pieces > 1 and all(files.concurrent(r.entry.file) for r in reads)
+
+
+def _read_large_parallel(
+    files: ShardFiles, reads: Sequence[_Read], algorithm: str, checked: list[tuple[Entry, str]]
+) -> Iterator[int]:
+    """Read large entries straight into their destinations on `_READERS` threads, each
+    thread reading a piece a few MiB at a time and hashing each chunk right after reading
+    it, while it is still in the CPU's cache: one pass over memory, as a plain copy makes
+    (reading on one thread and hashing on another passed over it twice, and one thread's
+    copy out of the page cache was the bottleneck). With CRC-32C an entry is cut into
+    `_PIECE`-byte pieces whose CRCs are combined in order (`crc32c_combine`), so one huge
+    tensor is read in parallel too; other algorithms hash an entry on one thread. Yields
+    the bytes of each piece done, in order; appends (entry, digest) to `checked`."""
+    todo: list[tuple[_Read, int, int]] = []  # (read, offset in the entry, bytes)
+    for r in reads:
+        piece = _PIECE if algorithm == "crc32c" else r.entry.length
+        todo += [(r, pos, min(piece, r.entry.length - pos)) for pos in range(0, r.entry.length, piece)]
+    out: deque[tuple[_Read, int, Future[str]]] = deque()
+    digests: dict[int, list[tuple[int, str]]] = {}
+    pool = ThreadPoolExecutor(_READERS, thread_name_prefix="tiercheck-read")
+    try:
+        for i in range(len(todo) + 1):
+            if i < len(todo):
+                r, pos, n = todo[i]
+                dest = _writable(r.dest)[pos : pos + n]
+                fut = pool.submit(_read_hashed, files, r.entry.file, r.entry.offset + pos, dest, algorithm)
+                out.append((r, n, fut))
+            while out and (len(out) > _READS_AHEAD or i == len(todo)):
+                r, n, fut = out.popleft()
+                parts = digests.setdefault(id(r), [])
+                parts.append((n, fut.result()))
+                if sum(k for k, _ in parts) == r.entry.length:
+                    checked.append((r.entry, _joined(parts)))
+                    del digests[id(r)]
+                yield n
+    finally:
+        for _, _, fut in out:
+            fut.cancel()
+        pool.shutdown(wait=True)  # no read may still write into the template
+
+
+def _read_hashed(files: ShardFiles, name: str, offset: int, dest: memoryview, algorithm: str) -> str:
+    h = checksum_stream(algorithm)
+    for pos in range(0, len(dest), _HASH_CHUNK):
+        chunk = dest[pos : pos + _HASH_CHUNK]
+        files.read_into(name, offset + pos, chunk)
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _joined(parts: list[tuple[int, str]]) -> str:
+    """The digest of an entry from its pieces' (length, digest), in order (one piece: its
+    digest; several: CRC-32C only)."""
+    crc = int(parts[0][1], 16)
+    for n, digest in parts[1:]:
+        crc = crc32c_combine(crc, int(digest, 16), n)
+    return parts[0][1] if len(parts) == 1 else f"{crc:08x}"
+
+
+_READERS = max(1, min(4, os.cpu_count() or 1))  # threads reading large entries of a local shard
+_READS_AHEAD = 2 * _READERS  # pieces being read at once, at most
+_PIECE = 64 << 20  # bytes of an entry one thread reads and hashes (CRC-32C: pieces combined)
+_HASH_CHUNK = 2 << 20  # bytes read, then hashed while in cache
 
 
 _SMALL_READ = 1 << 20  # entries up to this size are read in runs (`_small_runs`)

@@ -144,6 +144,9 @@ class ReadableFile(ABC):
     """A positional reader over one file of a committed step."""
 
     size: int
+    # Whether `read_into` may run on several threads at once (a positional read of a file
+    # descriptor: no state between calls); a decoder or a remote reader keeps state.
+    concurrent: bool = False
 
     @abstractmethod
     def read_into(self, offset: int, dest: memoryview) -> None:

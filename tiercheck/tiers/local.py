@@ -432,6 +432,8 @@ def _open_step_file(step_dir: str, name: str) -> int:
 
 
 class _LocalFile(ReadableFile):
+    concurrent = True  # preadv on one descriptor: safe from any number of threads
+
     def __init__(self, step_dir: str, name: str) -> None:
         self.path = os.path.join(step_dir, name)
         self._fd = _open_step_file(step_dir, name)
