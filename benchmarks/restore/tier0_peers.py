@@ -65,16 +65,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def job(mode: str, spec: dict[str, Any], scratch: Path, timeout: float, killed: bool = False) -> list[dict[str, Any]]:
-    """Run the 4 ranks of the worker; their JSON results, by rank. `killed`: every rank must
-    die by SIGKILL (after writing its result)."""
+def job(
+    mode: str,
+    spec: dict[str, Any],
+    scratch: Path,
+    timeout: float,
+    killed: bool = False,
+    nodes: list[int] = NODES,
+) -> list[dict[str, Any]]:
+    """Run the ranks of the worker (rank r on node `nodes[r]`); their JSON results, by rank.
+    `killed`: every rank must die by SIGKILL (after writing its result)."""
     port = free_port()
-    outs = [scratch / f"out-{mode}-{r}-{port}.json" for r in range(len(NODES))]
+    outs = [scratch / f"out-{mode}-{r}-{port}.json" for r in range(len(nodes))]
     procs = []
-    for r in range(len(NODES)):
-        s = dict(spec, out=str(outs[r]), nodes=NODES)
+    for r in range(len(nodes)):
+        s = dict(spec, out=str(outs[r]), nodes=nodes)
         p = subprocess.Popen(
-            [sys.executable, WORKER, mode, str(r), str(len(NODES)), str(port), json.dumps(s)],
+            [sys.executable, WORKER, mode, str(r), str(len(nodes)), str(port), json.dumps(s)],
             cwd=str(HERE),
             env={**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"},
             stdout=subprocess.PIPE,
@@ -280,6 +287,79 @@ def cost_report(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------- lost
+
+LOST_METHODS = ("none", "tier1", "tier0", "tier0+peers")
+
+
+def lost_part(args: argparse.Namespace, scratch: Path, shm: Path) -> list[dict[str, Any]]:
+    """Lost training time per save: 2 nodes of one training rank each (the worker's `lost`)."""
+    run_id = uuid.uuid4().hex[:8]
+    root, mem = scratch / run_id, shm / run_id
+    spec = {
+        "root": str(root),
+        "shm": str(mem),
+        "job_id": f"lost-{run_id}",
+        "width": args.lost_width,
+        "depth": args.lost_depth,
+        "batch": args.lost_batch,
+        "save_rate": None if args.save_rate is None else args.save_rate * MB,
+        "repeats": args.lost_repeats,
+        "pre_steps": 6,
+        "tail_steps": 3,
+        "warmup": 1,
+        "coord": 120.0,
+    }
+    try:
+        got = job("lost", spec, scratch, args.lost_timeout, nodes=[0, 1])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(mem, ignore_errors=True)
+    rows = [dict(row, rank=g["rank"], state_bytes=g["state_bytes"]) for g in got for row in g["rows"]]
+    for row in rows:
+        print(
+            f"  repeat {row['repeat']} rank {row['rank']} {row['method']:12s} stall {row['stall_s']:.3f} s "
+            f"idle {row['idle_s']:.3f} s lost {row['lost_s']:.3f} s (base step {row['base_step_s']:.3f} s, "
+            f"{row['window_steps']} steps) extra cpu {row['extra_cpu_s']:.2f} s",
+            file=sys.stderr,
+        )
+    return rows
+
+
+def lost_report(rows: list[dict[str, Any]]) -> str:
+    def vals(m: str, k: str) -> list[float]:
+        return [r[k] for r in rows if r["method"] == m]
+
+    def paired(a: str, b: str, k: str) -> float:
+        by: dict[tuple[int, int], dict[str, float]] = {}
+        for r in rows:
+            by.setdefault((r["repeat"], r["rank"]), {})[r["method"]] = r[k]
+        return med([d[a] - d[b] for d in by.values() if a in d and b in d])
+
+    mib = rows[0]["state_bytes"] / MIB if rows else 0
+    keys = ("lost_s", "stall_s", "idle_s", "extra_cpu_s", "base_step_s")
+    lines = [
+        f"state {mib:.0f} MiB per rank (MLP + Adam), 2 nodes x 1 rank, one training thread each; "
+        "medians [min-max] over ranks x repeats",
+        "",
+        "| | lost s/save | stall s | idle (copies done) s | extra CPU s | baseline step s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for m in LOST_METHODS:
+        cells = []
+        for k in keys:
+            v = vals(m, k)
+            cells.append(f"{med(v):.3f} [{min(v):.3f}-{max(v):.3f}]" if v else "-")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    for a, b in (("tier0", "tier1"), ("tier0+peers", "tier1"), ("tier0+peers", "tier0")):
+        lost_a, lost_b = med(vals(a, "lost_s")), med(vals(b, "lost_s"))
+        lines.append(
+            f"| {a} - {b}: lost s (paired) | {lost_a - lost_b:+.3f} ({paired(a, b, 'lost_s'):+.3f}) | "
+            f"{a} / {b}: {lost_a / lost_b if lost_b > 0 else float('nan'):.2f}x | | | |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -289,7 +369,7 @@ def _on_term(signum: int, frame: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["restore", "cost", "all"], default="all")
+    ap.add_argument("--part", choices=["restore", "cost", "lost", "all"], default="all")
     ap.add_argument("--mib", type=int, default=256, help="state per rank, MiB (restore)")
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--rates", default="50,200,none", help="memory_peer_rate at restore, MB/s (none: uncapped)")
@@ -298,6 +378,11 @@ def main() -> None:
     ap.add_argument("--cost-repeats", type=int, default=7)
     ap.add_argument("--cost-timeout", type=float, default=240.0)
     ap.add_argument("--save-rate", type=float, default=None, help="memory_peer_rate of tier0+peers (cost), MB/s")
+    ap.add_argument("--lost-width", type=int, default=2048, help="MLP width (lost)")
+    ap.add_argument("--lost-depth", type=int, default=4, help="MLP layers (lost): 4 x 2048^2 params + Adam = 192 MiB")
+    ap.add_argument("--lost-batch", type=int, default=64)
+    ap.add_argument("--lost-repeats", type=int, default=7)
+    ap.add_argument("--lost-timeout", type=float, default=900.0)
     ap.add_argument("--budget-s", type=float, default=240.0, help="no restore repeat starts after this")
     ap.add_argument("--scratch", default=None, help="parent of the tier-1 temp dir (default: the system's)")
     ap.add_argument("--memory-dir", default="/dev/shm")
@@ -314,6 +399,8 @@ def main() -> None:
             res["restore"] = restore_part(args, scratch, shm, t0 + args.budget_s)
         if args.part in ("cost", "all"):
             res["cost"] = cost_part(args, scratch, shm)
+        if args.part in ("lost", "all"):
+            res["lost"] = lost_part(args, scratch, shm)
     finally:
         for p in list(_procs):
             if p.poll() is None:
@@ -338,6 +425,9 @@ def main() -> None:
             "medians [min-max] over ranks x repeats\n"
         )
         print(cost_report(res["cost"]))
+    if res.get("lost"):
+        print(f"\nlost training time per save, {args.lost_repeats} repeats\n")
+        print(lost_report(res["lost"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "args": vars(args), **res}, f, indent=1, default=str)

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -282,10 +283,104 @@ def cost() -> None:
     os._exit(0)  # the driver removes the directories
 
 
+# --------------------------------------------------------------------------- lost
+
+
+def lost() -> None:
+    """Lost training time per save: each rank trains an MLP + Adam on one thread; every save
+    starts on every rank at the same step (a barrier and a fixed count of clean steps
+    before it, so the collective saves and the copies pair up), and the training goes on
+    until the Checkpointer is idle (copies to the peer included) plus `tail` steps. Lost =
+    window time - window steps x the median clean step before the save; `none` (no save)
+    is the noise floor. The state is `{"model": model, "optim": opt}`."""
+    import torch.nn as nn
+
+    torch.manual_seed(rank)
+    width, depth = SPEC["width"], SPEC["depth"]
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5, foreach=True)
+    x = torch.randn(SPEC["batch"], width)
+
+    def train_step() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+        return t0, time.perf_counter()
+
+    for _ in range(3):
+        train_step()
+    state = {"model": model, "optim": opt}
+    cks = {
+        "tier1": checkpointer("t1", False, 0, None),
+        "tier0": checkpointer("t0", True, 0, None),
+        "tier0+peers": checkpointer("t0p", True, 1, SPEC.get("save_rate")),
+    }
+    for ck in cks.values():
+        ck.prepare(state)
+    methods = ("none", *cks)
+    rows = []
+    step = 0
+    pre, tail = SPEC["pre_steps"], SPEC["tail_steps"]
+    for rep in range(-SPEC.get("warmup", 1), SPEC["repeats"]):
+        for name in rotated(methods, rep):
+            step += 1
+            dist.barrier()
+            cc = cpu_s()
+            clean = [train_step() for _ in range(pre)]
+            c0 = cpu_s()
+            base = statistics.median(b - a for a, b in clean[1:])
+            base_cpu = (c0 - cc) / pre
+            t_call = time.perf_counter()
+            idle_at: list[float] = []
+            done = threading.Event()
+            if name == "none":
+                t_ret = t_call
+                idle_at.append(t_call)
+                done.set()
+            else:
+                ck = cks[name]
+                ck.save(step, state)
+                t_ret = time.perf_counter()
+
+                def watch(ck: Any = ck, idle_at: list[float] = idle_at, done: threading.Event = done) -> None:
+                    try:
+                        ck.wait()  # every tier and the copy to the peer
+                    finally:
+                        idle_at.append(time.perf_counter())
+                        done.set()
+
+                threading.Thread(target=watch, daemon=True).start()
+            window: list[tuple[float, float]] = []
+            after = 0
+            while after < tail:
+                window.append(train_step())
+                if done.is_set() and idle_at[0] <= window[-1][0]:
+                    after += 1
+            end = window[-1][1]
+            if rep >= 0:
+                rows.append(
+                    {
+                        "repeat": rep,
+                        "method": name,
+                        "stall_s": t_ret - t_call,
+                        "idle_s": idle_at[0] - t_call,
+                        "lost_s": (end - t_call) - len(window) * base,
+                        "window_steps": len(window),
+                        "base_step_s": base,
+                        "extra_cpu_s": cpu_s() - c0 - len(window) * base_cpu,
+                    }
+                )
+    dist.barrier()
+    write_out({"rank": rank, "rows": rows, "state_bytes": sum(t.numel() * 4 for t in model.parameters()) * 3})
+    dist.barrier()
+    os._exit(0)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=rank, world_size=world)
-    {"save": save, "restore": restore, "cost": cost}[MODE]()
+    {"save": save, "restore": restore, "cost": cost, "lost": lost}[MODE]()
 
 
 if __name__ == "__main__":
