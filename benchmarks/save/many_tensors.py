@@ -22,6 +22,9 @@ restore (page cache dropped for the files read, where the kernel lets us):
   tiercheck   -- ``Checkpointer.restore(target, step)`` (reads, verifies checksums, copies)
   torch.load  -- ``torch.load(f, weights_only=True)`` of the torch.save file (no copy into a target)
 
+manifest: the size of tiercheck's manifest, and the time ``decode_manifest`` takes to parse and
+validate its bytes (already in memory), median of ``--repeats``.
+
 The machine is shared: numbers are noisy; the ratios, taken within one repeat, are the
 point. Usage::
 
@@ -191,7 +194,7 @@ def measure(count: int, leaf_bytes: int, repeats: int, dcp_max: int, work: Path)
             for m, v in one.items():
                 rest[m].append(v)
             ratio_plain.append(one["tiercheck"] / one["plain"])
-        manifest = max((p.stat().st_size for p in (root / "tc").rglob("*manifest*")), default=0)
+        manifest, parse = manifest_size_and_parse(root / "tc", repeats)
     finally:
         saves.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -205,7 +208,24 @@ def measure(count: int, leaf_bytes: int, repeats: int, dcp_max: int, work: Path)
         "stall_over_torch_save": statistics.median(ratio_torch),
         "restore_over_plain": statistics.median(ratio_plain),
         "manifest_bytes": manifest,
+        "manifest_parse_s": parse,
     }
+
+
+def manifest_size_and_parse(tc_root: Path, repeats: int) -> tuple[int, dict[str, float] | None]:
+    """The largest manifest's bytes under `tc_root`, and the time `decode_manifest` takes to
+    parse and validate them (from memory: no I/O), over `repeats`."""
+    from tiercheck.format.manifest import decode_manifest
+
+    paths = sorted((p for p in tc_root.rglob("*.manifest.json")), key=lambda p: p.stat().st_size)
+    if not paths:
+        return 0, None
+    data = paths[-1].read_bytes()
+    times = []
+    for _ in range(max(1, repeats)):
+        gc.collect()
+        times.append(timed(lambda: decode_manifest(data, str(paths[-1]))))
+    return len(data), summary(times)
 
 
 def stall_over_floor(count: int, leaf_bytes: int, repeats: int, work: Path) -> float:
@@ -251,8 +271,8 @@ def ms(s: dict[str, float] | None) -> str:
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = [
         "| state | floor | tiercheck save() | torch.save | DCP async_save | stall / floor | stall / torch.save |"
-        " plain read+copy_ | tiercheck restore | torch.load | restore / plain | manifest |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " plain read+copy_ | tiercheck restore | torch.load | restore / plain | manifest | manifest parse |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         st, rs = r["stall_s"], r["restore_s"]
@@ -261,7 +281,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {ms(st['floor'])} | {ms(st['tiercheck'])} | {ms(st['torch_save'])} | {ms(st['dcp'])} "
             f"| {r['stall_over_floor']:.2f}x | {r['stall_over_torch_save']:.2f}x "
             f"| {ms(rs['plain'])} | {ms(rs['tiercheck'])} | {ms(rs['torch_load'])} "
-            f"| {r['restore_over_plain']:.2f}x | {r['manifest_bytes'] / MIB:.1f} MiB |"
+            f"| {r['restore_over_plain']:.2f}x | {r['manifest_bytes'] / MIB:.2f} MiB "
+            f"| {ms(r.get('manifest_parse_s'))} |"
         )
     return "\n".join(out) + "\n\n(times in ms, median; ratios are medians of per-repeat ratios)\n"
 
@@ -287,7 +308,8 @@ def main() -> None:
         for count in (int(c) for c in a.counts.split(",")):
             leaf = int(a.constant_mib * MIB / count) if series == "constant" else int(a.leaf_kib * KIB)
             rows.append(measure(count, leaf, a.repeats, a.dcp_max, work))
-            print(json.dumps({k: rows[-1][k] for k in ("leaves", "stall_over_floor", "restore_over_plain")}))
+            keys = ("leaves", "stall_over_floor", "stall_over_torch_save", "restore_over_plain", "manifest_bytes")
+            print(json.dumps({k: rows[-1][k] for k in keys}), flush=True)
         report["series"][series] = rows
         text += f"\n### {series} bytes\n\n" + markdown(rows)
     print(text)
