@@ -768,9 +768,10 @@ def _join_peers(opts: Options, group: Membership, memory: SharedMemoryTier | Non
 
 def _host_buffers(opts: Options, memory: SharedMemoryTier | None) -> HostBufferPool:
     """The pool, its buffers in tier 0's shared memory when it is on; the memory it may need
-    is stated (docs/design.md): host buffers plus the copies it holds for other nodes."""
+    is stated (docs/design.md): host buffers plus the copies it holds for other nodes, one more
+    per source than `keep_memory` (the copy being received while the newest complete one stays)."""
     n = opts.save.host_buffers
-    copies = n + opts.memory.memory_peers * opts.memory.keep_memory
+    copies = n + opts.memory.memory_peers * (opts.memory.keep_memory + 1)
     return HostBufferPool(n, None if memory is None else SharedBuffers(memory, opts.job.rank, copies))
 
 

@@ -136,6 +136,23 @@ class _Events(logging.Handler):
         self.events.append(json.loads(record.getMessage()))
 
 
+def count_replica_buffers() -> list[int]:
+    """How many shared-memory files this process allocates for the copies it holds of other
+    ranks (counted by wrapping `SharedMemoryTier.new_buffer`; its code unchanged)."""
+    from tiercheck.tiers import memory
+
+    count = [0]
+    real = memory.SharedMemoryTier.new_buffer
+
+    def counted(self: Any, rank: int, nbytes: int) -> Any:
+        if memory.REPLICAS_DIR in self.root.split(os.sep):
+            count[0] += 1
+        return real(self, rank, nbytes)
+
+    memory.SharedMemoryTier.new_buffer = counted  # type: ignore[method-assign]
+    return count
+
+
 def main() -> None:
     scenario, rank, world, port, root, nodes = sys.argv[1:7]
     if os.environ.get("DUMP_STACKS_AFTER"):  # a hang shows where every thread waits
@@ -153,6 +170,7 @@ def main() -> None:
     warned = _Warnings()
     logging.getLogger("tiercheck").addHandler(warned)
     arm_fault(rank_i)
+    replica_buffers = count_replica_buffers()
     ck = tiercheck.Checkpointer(
         local=os.path.join(here, "ckpt"),
         remote="file://" + os.path.join(root, "remote"),
@@ -173,6 +191,7 @@ def main() -> None:
         dist.barrier()
         out["memory"] = ck.steps("memory")
         out["local"] = ck.steps("local")
+        out["replica_buffers"] = replica_buffers[0]
         with open(os.path.join(root, f"result-{scenario}-{rank}.json"), "w") as f:
             json.dump(out, f)
         os._exit(0)  # the job dies: no close, its memory stays
@@ -214,6 +233,10 @@ def main() -> None:
         torch.equal(state["w"], want["w"]) and torch.equal(state["b"], want["b"]) and state["step"] == step
     )
     out["tier"] = [e["tier"] for e in events.events if e.get("event") == "restore"]
+    if os.environ.get("SAVE_AFTER"):  # the restored job goes on: one more step, copies included
+        ck.save(STEPS, state_at(rank_i, STEPS)).wait()
+        ck.wait()
+        out["memory"] = ck.steps("memory")
     with open(os.path.join(root, f"result-{scenario}-{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()

@@ -23,6 +23,7 @@ import pytest
 from tests.helpers.ranks import run_ranks
 from tiercheck.format import naming
 from tiercheck.plan.peers import peer_load, peer_sources, peer_targets
+from tiercheck.tiers.memory import BUFFERS_DIR as BUFFERS
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "tier0_worker.py")
@@ -71,14 +72,24 @@ def test_two_ranks_of_one_node_resume_from_memory(tmp_path):
 
 
 def test_a_replaced_node_gets_its_part_back_from_its_peers(tmp_path):
-    run_job("save", [0, 0, 1, 1], tmp_path)
-    held = sorted(os.listdir(tmp_path / "node0" / "shm" / "tiercheck-mr" / ".tiercheck-replicas"))
+    saved = run_job("save", [0, 0, 1, 1], tmp_path)
+    replicas = tmp_path / "node0" / "shm" / "tiercheck-mr" / ".tiercheck-replicas"
+    held = sorted(os.listdir(replicas))
     assert held == ["rank-00002", "rank-00003"]
+    # 4 copies received per holder into 2 files (keep_memory=1: the newest copy stays while
+    # the next arrives, then the older file is received into again): allocated once.
+    assert [s["replica_buffers"] for s in saved] == [2, 2, 2, 2]
+    spares = [p for h in held for p in (replicas / h / BUFFERS).glob("*.buf")]
+    assert len(spares) == 2  # the dead job's spares, one per source it held copies of
     lose_node(tmp_path, 1)
-    got = run_job("restore", [0, 0, 1, 1], tmp_path)
+    got = run_job("restore", [0, 0, 1, 1], tmp_path, {"SAVE_AFTER": "1"})
     assert [g["step"] for g in got] == [LAST] * 4
     assert all(g["exact"] for g in got)
     assert [g["tier"] for g in got] == [["memory"]] * 4
+    assert all(g["memory"] == [LAST + 1] for g in got)
+    # The restarted holders, writers again, removed the spares their killed predecessors
+    # left; the one copy since (step LAST + 1) needed a new file, the older went with its step.
+    assert [p for h in held for p in (replicas / h / BUFFERS).glob("*.buf")] == []
 
 
 def test_a_node_lost_with_its_copies_falls_back_to_tier2(tmp_path):

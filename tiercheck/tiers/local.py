@@ -252,6 +252,11 @@ class LocalTier(Tier):
                 logger.warning("tiercheck: cannot sweep leftovers in %s: %r", self.root, exc)
                 return []
 
+    @property
+    def writing(self) -> bool:
+        """Whether this process became a writer here (`claim_writer`)."""
+        return self._writer.held
+
     def release_writer(self) -> None:
         self._writer.release()
 

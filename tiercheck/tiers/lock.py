@@ -34,6 +34,11 @@ class WriterLock:
         self.root = root
         self._held: weakref.finalize[..., WriterLock] | None = None  # closes the lock file
 
+    @property
+    def held(self) -> bool:
+        """Whether this process holds a writer lock of the root (taken with `take`)."""
+        return self._held is not None
+
     def take(self, rank: int) -> None:
         """Hold rank `rank`'s lock (a no-op while held). A directory that cannot hold it
         (full, read-only, no flock on this filesystem) is written unlocked, with a warning.

@@ -226,6 +226,34 @@ class SharedMemoryTier(LocalTier):
         in_step = os.path.dirname(buf.path) != self.buffers_dir
         buf.close(unlink=not in_step)
 
+    def spare_buffer(self, nbytes: int) -> ShmBuffer | None:
+        """A buffer of this process of exactly `nbytes` that holds no step (one retention took
+        back), to receive into again instead of allocating; spares of other sizes are freed."""
+        with self.lock:
+            spares = [b for b in self._buffers if os.path.dirname(b.path) == self.buffers_dir]
+            found = next((b for b in spares if b.nbytes == nbytes), None)
+            for b in spares:
+                if b is not found:
+                    self.forget_buffer(b)
+            return found
+
+    def drop_stale_buffers(self, rank: int) -> list[str]:
+        """Remove `rank`'s buffer files that no buffer of this process is (a dead process of
+        that rank left them: no step holds a file in the buffers folder). Call only while this
+        process is the one that writes `rank`'s buffers here (its writer lock, or the one
+        holder of `rank`'s copies)."""
+        removed = []
+        with self.lock:
+            for entry in _entries(self.buffers_dir):
+                m = _BUFFER_RE.fullmatch(entry.name)
+                if m is None or int(m.group(1)) != rank or any(b.owns(entry.path) for b in self._buffers):
+                    continue
+                with contextlib.suppress(OSError):
+                    if entry.is_file(follow_symlinks=False):
+                        os.unlink(entry.path)
+                        removed.append(entry.path)
+        return removed
+
     def buffer_of(self, data: memoryview) -> ShmBuffer | None:
         """This process's buffer whose whole mapping `data` is, if any."""
         if not self._buffers or len(data) == 0:
@@ -273,16 +301,7 @@ class SharedMemoryTier(LocalTier):
         them, and the lock says no live process writes this rank): without this, every killed
         process would leave its free buffers in shared memory until the job ends."""
         removed = super().claim_writer(rank, world_size)
-        with self.lock:
-            for entry in _entries(self.buffers_dir):
-                m = _BUFFER_RE.fullmatch(entry.name)
-                if m is None or int(m.group(1)) != rank or any(b.owns(entry.path) for b in self._buffers):
-                    continue
-                with contextlib.suppress(OSError):
-                    if entry.is_file(follow_symlinks=False):
-                        os.unlink(entry.path)
-                        removed.append(entry.path)
-        return removed
+        return removed + self.drop_stale_buffers(rank)
 
     def open_step(self, step: int, rank: int, shared: bool = False) -> StepWriter:
         self.write_job_file()
