@@ -32,6 +32,7 @@ timeout) and removes its temp dirs in /dev/shm and on disk, also on an error or 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -78,12 +79,19 @@ def job(
     port = free_port()
     outs = [scratch / f"out-{mode}-{r}-{port}.json" for r in range(len(nodes))]
     procs = []
+    link: Link | None = spec.get("link")
     for r in range(len(nodes)):
         s = dict(spec, out=str(outs[r]), nodes=nodes)
+        env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
+        prefix: list[str] = []
+        if link is not None:  # each node's ranks run in its network namespace
+            s.update(link=None, master=link.addresses[0])
+            env["GLOO_SOCKET_IFNAME"] = link.ifnames[nodes[r]]
+            prefix = ["ip", "netns", "exec", link.namespaces[nodes[r]]]
         p = subprocess.Popen(
-            [sys.executable, WORKER, mode, str(r), str(len(nodes)), str(port), json.dumps(s)],
+            [*prefix, sys.executable, WORKER, mode, str(r), str(len(nodes)), str(port), json.dumps(s)],
             cwd=str(HERE),
-            env={**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"},
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -112,6 +120,67 @@ def job(
     return results
 
 
+class Link:
+    """Two simulated nodes joined by a real, shaped link: a network namespace per node, a
+    veth pair between them, and a token-bucket qdisc (`tc ... tbf`) at `mbit` megabits/s on
+    each end's egress. Ranks of one node talk inside their namespace (not shaped); every
+    byte between the nodes, the tier-0 copies included, crosses the link. Needs root and
+    iproute2 (`ip`, `tc`); `available()` says whether this machine has them."""
+
+    def __init__(self, mbit: float) -> None:
+        tag = f"tcl{os.getpid() % 100000}"
+        self.mbit = mbit
+        self.namespaces = (f"{tag}a", f"{tag}b")
+        self.ifnames = (f"{tag}x", f"{tag}y")
+        self.addresses = ("10.213.77.1", "10.213.77.2")
+
+    @staticmethod
+    def available() -> str | None:
+        if os.geteuid() != 0:
+            return "not root"
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            return "no iproute2 (ip, tc)"
+        return None
+
+    def _run(self, *cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+    def __enter__(self) -> Link:
+        try:
+            for ns in self.namespaces:
+                self._run("ip", "netns", "add", ns)
+            self._run("ip", "link", "add", self.ifnames[0], "type", "veth", "peer", "name", self.ifnames[1])
+            for ns, ifname, addr in zip(self.namespaces, self.ifnames, self.addresses, strict=True):
+                self._run("ip", "link", "set", ifname, "netns", ns)
+                inside = ("ip", "netns", "exec", ns)
+                self._run(*inside, "ip", "addr", "add", f"{addr}/24", "dev", ifname)
+                self._run(*inside, "ip", "link", "set", ifname, "up")
+                self._run(*inside, "ip", "link", "set", "lo", "up")
+                self._run(
+                    *inside, "tc", "qdisc", "add", "dev", ifname, "root", "tbf",
+                    "rate", f"{self.mbit:g}mbit", "burst", "256kb", "latency", "400ms",
+                )  # fmt: skip
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in self.namespaces:  # the veth pair goes with its namespaces
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def link_throughput(ranks: list[dict[str, Any]]) -> float | None:
+    """Bytes/s of every copy sent back over the link together: the bytes received by all
+    receiving ranks over the span from the first chunk to the last (all ranks' clocks start
+    at the barrier just before `restore()`)."""
+    recv = [g for g in ranks if "recv_bytes" in g]
+    if not recv:
+        return None
+    span = max(g["recv_end"] for g in recv) - min(g["recv_start"] for g in recv)
+    return sum(g["recv_bytes"] for g in recv) / span if span > 0 else None
+
+
 def rate_name(rate: float | None) -> str:
     return "uncapped" if rate is None else f"{rate / MB:g} MB/s"
 
@@ -135,56 +204,78 @@ def paced_rate(rec: dict[str, Any], bucket: float | None) -> float | None:
 
 def restore_part(args: argparse.Namespace, scratch: Path, shm: Path, deadline: float) -> list[dict[str, Any]]:
     rates = [None if x.strip().lower() in ("none", "uncapped", "0") else float(x) * MB for x in args.rates.split(",")]
+    # (memory_peer_rate, link megabits/s): the library's cap over loopback, or a real shaped
+    # link between network namespaces with the copies uncapped
+    configs: list[tuple[float | None, float | None]] = (
+        [(None, float(x)) for x in args.link_mbit.split(",")] if args.link_mbit else [(r, None) for r in rates]
+    )
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
-        for rate in rotated(rates, rep):
+        for rate, mbit in rotated(configs, rep):
             if time.monotonic() > deadline:
                 print(f"  budget spent: stopping before repeat {rep} at {rate_name(rate)}", file=sys.stderr)
                 return runs
-            run_id = uuid.uuid4().hex[:8]
-            root, mem = scratch / run_id, shm / run_id
-            spec = {
-                "root": str(root),
-                "shm": str(mem),
-                "job_id": f"peers-{run_id}",
-                "mib": args.mib,
-                "tensors": args.tensors,
-                "save_rate": None,
-                "rate": rate,
-                "coord": 120.0,
-            }
-            try:
-                saved = job("save", spec, scratch, 150, killed=True)
-                held = sorted(p.name for p in (mem / "node0").glob("*/.tiercheck-replicas/*"))
-                shutil.rmtree(mem / "node1")  # node 1 is lost: its memory and its tier 1
-                shutil.rmtree(root / "node1")
-                got = job("restore", spec, scratch, 150)
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
-                shutil.rmtree(mem, ignore_errors=True)
-            senders = {s["dst"]: s for g in got for s in g.get("sends", [])}
-            run = {"repeat": rep, "rate": rate, "held_on_node0": held, "save": saved, "ranks": got}
-            for g in got:
-                if "recv_bytes" in g:
-                    send = senders.get(g["rank"], {})
-                    g["bucket"] = send.get("bucket")
-                    g["send_s"] = send.get("s")
-                    g["transfer_s"] = g["recv_end"] - g["recv_start"]
-                    g["throughput"] = g["recv_bytes"] / g["transfer_s"]
-                    g["paced"] = paced_rate(g, g["bucket"])
+            with contextlib.ExitStack() as stack:
+                link = None if mbit is None else stack.enter_context(Link(mbit))
+                run = restore_run(args, scratch, shm, rep, rate, link)
             runs.append(run)
-            line = "  ".join(
-                f"rank {g['rank']}: {g['tier']} exact={g['exact']} restore {g['restore_s']:.2f} s"
-                + (
-                    f" fetch {g['fetch_end'] - g['fetch_start']:.2f} s transfer {g['transfer_s']:.2f} s "
-                    f"{g['throughput'] / MB:.0f} MB/s" + (f" paced {g['paced'] / MB:.0f}" if g.get("paced") else "")
-                    if "recv_bytes" in g
-                    else ""
-                )
-                for g in got
-            )
-            print(f"  repeat {rep} {rate_name(rate)}: {line}", file=sys.stderr)
     return runs
+
+
+def restore_run(
+    args: argparse.Namespace, scratch: Path, shm: Path, rep: int, rate: float | None, link: Link | None
+) -> dict[str, Any]:
+    run_id = uuid.uuid4().hex[:8]
+    root, mem = scratch / run_id, shm / run_id
+    spec = {
+        "root": str(root),
+        "shm": str(mem),
+        "job_id": f"peers-{run_id}",
+        "mib": args.mib,
+        "tensors": args.tensors,
+        "save_rate": None,
+        "rate": rate,
+        "coord": 120.0,
+        "link": link,
+    }
+    try:
+        saved = job("save", spec, scratch, 300, killed=True)
+        held = sorted(p.name for p in (mem / "node0").glob("*/.tiercheck-replicas/*"))
+        shutil.rmtree(mem / "node1")  # node 1 is lost: its memory and its tier 1
+        shutil.rmtree(root / "node1")
+        got = job("restore", spec, scratch, 300)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(mem, ignore_errors=True)
+    senders = {s["dst"]: s for g in got for s in g.get("sends", [])}
+    mbit = None if link is None else link.mbit
+    run = {"repeat": rep, "rate": rate, "link_mbit": mbit, "held_on_node0": held, "save": saved, "ranks": got}
+    for g in got:
+        if "recv_bytes" in g:
+            send = senders.get(g["rank"], {})
+            g["bucket"] = send.get("bucket")
+            g["send_s"] = send.get("s")
+            g["transfer_s"] = g["recv_end"] - g["recv_start"]
+            g["throughput"] = g["recv_bytes"] / g["transfer_s"]
+            g["paced"] = paced_rate(g, g["bucket"])
+    run["link_throughput"] = link_throughput(got)
+    line = "  ".join(
+        f"rank {g['rank']}: {g['tier']} exact={g['exact']} restore {g['restore_s']:.2f} s"
+        + (
+            f" fetch {g['fetch_end'] - g['fetch_start']:.2f} s transfer {g['transfer_s']:.2f} s "
+            f"{g['throughput'] / MB:.0f} MB/s" + (f" paced {g['paced'] / MB:.0f}" if g.get("paced") else "")
+            if "recv_bytes" in g
+            else ""
+        )
+        for g in got
+    )
+    where = rate_name(rate) if link is None else f"link {link.mbit:g} Mbit/s"
+    both = run["link_throughput"]
+    if link is not None and both is not None:
+        share = both * 8 / (link.mbit * 1e6)
+        line += f"  both copies over the link: {both / MB:.1f} MB/s = {share:.2f}x the link"
+    print(f"  repeat {rep} {where}: {line}", file=sys.stderr)
+    return run
 
 
 def med(xs: list[float]) -> float:
@@ -198,12 +289,12 @@ def restore_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
         "| every rank from memory, bit-exact |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    rates: list[float | None] = []
+    configs: list[tuple[float | None, float | None]] = []
     for r in runs:
-        if r["rate"] not in rates:
-            rates.append(r["rate"])
-    for rate in rates:
-        rs = [r for r in runs if r["rate"] == rate]
+        if (r["rate"], r.get("link_mbit")) not in configs:
+            configs.append((r["rate"], r.get("link_mbit")))
+    for rate, mbit in configs:
+        rs = [r for r in runs if (r["rate"], r.get("link_mbit")) == (rate, mbit)]
         recv = [g for r in rs for g in r["ranks"] if "recv_bytes" in g]
         node0 = [g["restore_s"] for r in rs for g in r["ranks"] if g["node"] == 0]
         node1 = [g["restore_s"] for r in rs for g in r["ranks"] if g["node"] == 1]
@@ -213,8 +304,14 @@ def restore_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
         buckets = [g["bucket"] / MB for g in recv if g.get("bucket") is not None]
         ok = all(g["exact"] and g["tier"] == ["memory"] for r in rs for g in r["ranks"])
         rel = f"**{med(thr) * MB / rate:.2f}x**" if rate else "-"
+        name = rate_name(rate)
+        if mbit is not None:  # a shaped link: both copies share it, so the link's use is the measure
+            both = [r["link_throughput"] for r in rs if r.get("link_throughput")]
+            shares = [b * 8 / (mbit * 1e6) for b in both]
+            name = f"link {mbit:g} Mbit/s ({mbit / 8:g} MB/s), copies uncapped"
+            rel = f"both: {med(both) / MB:.1f} MB/s = **{med(shares):.2f}x** [{min(shares):.2f}-{max(shares):.2f}]"
         lines.append(
-            f"| {rate_name(rate)} | {len(rs)} | {med(node0):.2f} / {med(node1):.2f} | {med(fetch):.2f} | "
+            f"| {name} | {len(rs)} | {med(node0):.2f} / {med(node1):.2f} | {med(fetch):.2f} | "
             f"{med([g['transfer_s'] for g in recv]):.2f} | "
             f"{med(thr):.0f} [{min(thr, default=0):.0f}-{max(thr, default=0):.0f}] | {rel} | {med(rest):.2f} | "
             f"{f'{med(buckets):.1f}' if buckets else '-'} | "
@@ -374,6 +471,11 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--rates", default="50,200,none", help="memory_peer_rate at restore, MB/s (none: uncapped)")
     ap.add_argument("--repeats", type=int, default=3, help="restore repeats per rate")
+    ap.add_argument(
+        "--link-mbit",
+        default=None,
+        help="restore over a real shaped link between network namespaces at these Mbit/s (root; copies uncapped)",
+    )
     ap.add_argument("--cost-mib", type=int, default=256, help="state per rank, MiB (cost)")
     ap.add_argument("--cost-repeats", type=int, default=7)
     ap.add_argument("--cost-timeout", type=float, default=240.0)
@@ -388,6 +490,8 @@ def main() -> None:
     ap.add_argument("--memory-dir", default="/dev/shm")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.link_mbit and (why := Link.available()) is not None:
+        ap.error(f"--link-mbit needs network namespaces and tc: {why}")
     signal.signal(signal.SIGTERM, _on_term)
     scratch = Path(tempfile.mkdtemp(prefix="tc-peers-", dir=args.scratch))
     shm = Path(tempfile.mkdtemp(prefix="tc-peers-", dir=args.memory_dir))

@@ -379,7 +379,8 @@ def lost() -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=rank, world_size=world)
+    master = SPEC.get("master", "127.0.0.1")  # node 0's address when the nodes are network namespaces
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{PORT}", rank=rank, world_size=world)
     {"save": save, "restore": restore, "cost": cost, "lost": lost}[MODE]()
 
 
