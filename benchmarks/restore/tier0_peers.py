@@ -352,6 +352,18 @@ def cost_part(args: argparse.Namespace, scratch: Path, shm: Path) -> list[dict[s
     return rows
 
 
+def method_rows(methods: tuple[str, ...], keys: tuple[str, ...], vals: Any) -> list[str]:
+    """A table row per method: the median [min-max] of each key (`vals(method, key)`)."""
+    out = []
+    for m in methods:
+        cells = []
+        for k in keys:
+            v = vals(m, k)
+            cells.append(f"{med(v):.3f} [{min(v):.3f}-{max(v):.3f}]" if v else "-")
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return out
+
+
 def cost_report(rows: list[dict[str, Any]]) -> str:
     def vals(m: str, k: str) -> list[float]:
         return [r[k] for r in rows if r["method"] == m and r[k] is not None]
@@ -367,12 +379,7 @@ def cost_report(rows: list[dict[str, Any]]) -> str:
         "| | stall s | tier 0 s | durable (tier 1 committed) s | idle (copies done) s | CPU s per save per rank |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for m in COST_METHODS:
-        cells = []
-        for k in keys:
-            v = vals(m, k)
-            cells.append(f"{med(v):.3f} [{min(v):.3f}-{max(v):.3f}]" if v else "-")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += method_rows(COST_METHODS, keys, vals)
     for a, b in (("tier0", "tier1"), ("tier0+peers", "tier1"), ("tier0+peers", "tier0")):
         cells = []
         for k in keys:
@@ -442,12 +449,7 @@ def lost_report(rows: list[dict[str, Any]]) -> str:
         "| | lost s/save | stall s | idle (copies done) s | extra CPU s | baseline step s |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for m in LOST_METHODS:
-        cells = []
-        for k in keys:
-            v = vals(m, k)
-            cells.append(f"{med(v):.3f} [{min(v):.3f}-{max(v):.3f}]" if v else "-")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += method_rows(COST_METHODS, keys, vals)
     for a, b in (("tier0", "tier1"), ("tier0+peers", "tier1"), ("tier0+peers", "tier0")):
         lost_a, lost_b = med(vals(a, "lost_s")), med(vals(b, "lost_s"))
         lines.append(

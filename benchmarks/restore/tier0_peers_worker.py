@@ -231,8 +231,9 @@ def rotated(items: tuple[str, ...], k: int) -> list[str]:
     return list(items[k:]) + list(items[:k])
 
 
-def cost() -> None:
-    state = make_state(0)
+def three_checkpointers(state: Any) -> dict[str, Any]:
+    """The methods compared: tier 1 alone, tier 0 + tier 1, and tier 0 with a copy on the
+    other node; every host buffer allocated first."""
     cks = {
         "tier1": checkpointer("t1", False, 0, None),
         "tier0": checkpointer("t0", True, 0, None),
@@ -240,6 +241,12 @@ def cost() -> None:
     }
     for ck in cks.values():
         ck.prepare(state)
+    return cks
+
+
+def cost() -> None:
+    state = make_state(0)
+    cks = three_checkpointers(state)
     rows = []
     step = 0
     warm = SPEC.get("warmup", 2)
@@ -311,13 +318,7 @@ def lost() -> None:
     for _ in range(3):
         train_step()
     state = {"model": model, "optim": opt}
-    cks = {
-        "tier1": checkpointer("t1", False, 0, None),
-        "tier0": checkpointer("t0", True, 0, None),
-        "tier0+peers": checkpointer("t0p", True, 1, SPEC.get("save_rate")),
-    }
-    for ck in cks.values():
-        ck.prepare(state)
+    cks = three_checkpointers(state)
     methods = ("none", *cks)
     rows = []
     step = 0
