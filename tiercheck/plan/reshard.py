@@ -9,10 +9,14 @@ read is verified, and copies the intersection from them. Pieces with the same bo
 Replicate placement) are read once, from the first holder. No rank plans for another: each
 rank intersects its own boxes with the saved boxes, as DCP's load planner does, and the
 cost is (saved pieces) x (own boxes) comparisons per tensor.
+
+The reads of one box copy into disjoint parts of it (`plan_box` checks it), so they may run
+on several threads at once.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +72,11 @@ def plan_box(target: Box, pieces: Sequence[Piece]) -> list[PieceRead]:
     """The reads that fill box `target` from `pieces`, one per distinct saved box that
     intersects it.
 
+    The reads' destinations are disjoint: the saved boxes' intersections with `target` are
+    distinct and, along every dimension, span equal or disjoint ranges (the grid that Shard
+    and Replicate placements cut, evenly or not), so two of them are apart along at least one
+    dimension; with their volumes summing to the target's, they cover it exactly once.
+
     Raises:
         ValueError: the pieces do not cover `target` exactly once (overlapping distinct
             boxes, or a hole): the checkpoint cannot fill this box.
@@ -75,6 +84,9 @@ def plan_box(target: Box, pieces: Sequence[Piece]) -> list[PieceRead]:
     seen: set[Box] = set()
     reads: list[PieceRead] = []
     covered = 0
+    spans: list[set[tuple[int, int]]] = [set() for _ in target[1]]
+    placed: set[Box] = set()
+    repeated = False
     for p in pieces:
         box = (p.offsets, p.sizes)
         if box in seen:
@@ -85,6 +97,10 @@ def plan_box(target: Box, pieces: Sequence[Piece]) -> list[PieceRead]:
             continue
         offs, sizes = common
         covered += box_volume(sizes)
+        repeated = repeated or common in placed
+        placed.add(common)
+        for dim, o, sz in zip(spans, offs, sizes, strict=True):
+            dim.add((o, o + sz))
         rel = [o - po for o, po in zip(offs, p.offsets, strict=True)]
         row_bytes = box_volume(p.sizes[1:]) * p.itemsize if p.sizes else p.itemsize
         if not p.sizes:  # 0-d: the single element
@@ -97,12 +113,18 @@ def plan_box(target: Box, pieces: Sequence[Piece]) -> list[PieceRead]:
         src = (slice(0, rows), *(slice(r, r + s) for r, s in zip(rel[1:], sizes[1:], strict=True)))
         dst = tuple(slice(o - to, o - to + s) for o, to, s in zip(offs, target[0], sizes, strict=True))
         reads.append(PieceRead(p, start, end, row0, rows, src, dst))
-    if covered != box_volume(target[1]):
+    if repeated or covered != box_volume(target[1]) or not all(_apart(dim) for dim in spans):
         raise ValueError(
             f"the saved pieces cover {covered} of the {box_volume(target[1])} elements of box "
             f"offsets={list(target[0])} sizes={list(target[1])} (overlapping or missing pieces)"
         )
     return reads
+
+
+def _apart(spans: set[tuple[int, int]]) -> bool:
+    """Whether distinct ranges [lo, hi) are pairwise disjoint."""
+    ordered = sorted(spans)
+    return all(a[1] <= b[0] for a, b in itertools.pairwise(ordered))
 
 
 def _round_up(n: int, p: Piece) -> int:

@@ -9,6 +9,7 @@ command line all read steps through here.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ from ..tiers.codec import ZstdFile
 
 __all__ = [
     "MAX_MARKER_BYTES",
+    "READERS",
     "READ_CHUNK",
     "MissingManifestError",
     "ReplicaResolver",
@@ -50,6 +52,7 @@ __all__ = [
 
 MAX_MARKER_BYTES = 128 << 20  # ~100 bytes per rank, up to the format's 2^20 ranks
 READ_CHUNK = 32 << 20
+READERS = max(1, min(4, os.cpu_count() or 1))  # threads reading a local shard at once (`ShardFiles.concurrent`)
 COPY_BLOCK = 8 << 20  # bytes per read when a shard is copied through the opener
 GUESS_MANIFEST_BYTES = 8 << 20  # a guessed manifest is fetched only if smaller (~200 bytes per tensor)
 

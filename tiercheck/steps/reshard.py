@@ -8,9 +8,13 @@ whole tensor). For each, it collects the saved pieces of that key from every sav
 manifest (read from this rank's tier where it holds that rank's part, else from the next
 tier that does: a node-local tier 1 has only its node's ranks), plans the reads
 (`plan.reshard`), reads only those bytes through the one shard opener, checks every
-checksum block they span, and copies the intersections into place. A piece whose block does
-not verify fails the step on this tier (`CheckpointCorruptedError`): the restore then tries
-the next tier, then an older step, as for any damaged step.
+checksum block they span, and copies the intersections into place. When every shard read is
+a positional read of a local file, the reads run on `catalog.READERS` threads, each block
+hashed right after it is read, and a read whose rows are one contiguous range of the
+template lands there directly (`_Job`); otherwise (tier 2, zstd) one after another. A piece
+whose block does not verify fails the step on this tier (`CheckpointCorruptedError`): the
+restore then tries the next tier, then an older step, as for any damaged step; as for any
+failed read, the template's tensors may then hold partial data.
 
 Resharding never guesses: a template whose global shape or dtype differs from the saved
 tensor's is a `StateMismatchError` naming the key.
@@ -23,8 +27,12 @@ position) cannot be resharded implicitly.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +43,7 @@ from ..format.manifest import Entry, Manifest, Marker
 from ..format.tree import JsonNode
 from ..plan.reshard import Piece, PieceRead, plan_box
 from ..tiers.base import Tier
-from .catalog import MissingManifestError, ShardFiles, read_manifest, read_marker
+from .catalog import READERS, MissingManifestError, ShardFiles, read_manifest, read_marker
 
 __all__ = ["LastBlocks", "Resharder", "consistent_keys", "pieces_of", "read_piece", "template_box"]
 
@@ -175,36 +183,52 @@ class Resharder:
     # -- reading (after every binding check passed) ---------------------------------------
 
     def read_all(self) -> None:
-        """Read, verify and place every planned fill."""
+        """Read, verify and place every planned fill: every fill planned first, then the
+        reads in plan order, on several threads where every shard read allows it."""
         if not self._fills:
             return
         try:
-            for path, dest, box, e in self._fills:
-                pieces = self._pieces(path) or [(self.rank, e)]
-                ref = e.dtensor
-                assert ref is not None
-                for r, pe in pieces:
-                    info = pe.dtensor
-                    assert info is not None
-                    if pe.dtype != e.dtype or tuple(info.global_shape) != tuple(ref.global_shape):
-                        raise CheckpointCorruptedError(
-                            f"step {self.step}: {path}: saved rank {r}'s piece is {pe.dtype} of global shape "
-                            f"{list(info.global_shape)}, another rank's says {e.dtype} {list(ref.global_shape)}"
-                        )
-                plan_input = pieces_of(pieces, dest.element_size())
-                by_piece = {id(p): saved for p, saved in zip(plan_input, pieces, strict=True)}
-                try:
-                    reads = plan_box(box, plan_input)
-                except ValueError as exc:
-                    raise CheckpointCorruptedError(f"step {self.step}: {path}: {exc}") from None
-                for rd in reads:
-                    r, pe = by_piece[id(rd.piece)]
-                    self._read_piece(path, dest, rd, r, pe)
+            reads = [
+                (path, dest, *planned)
+                for path, dest, box, e in self._fills
+                for planned in self._plan(path, dest, box, e)
+            ]
+            dests = [dest for _, dest, _, _ in self._fills]
+            if READERS > 1 and _apart(dests) and all(self._concurrent(r, pe) for _, _, _, r, pe in reads):
+                jobs = [job for read in reads for job in self._jobs(*read)]
+                if len(jobs) > 1:
+                    _run_parallel(jobs)
+                    return
+            for path, dest, rd, r, pe in reads:
+                self._read_piece(path, dest, rd, r, pe)
         finally:
             for src in (self._sources or {}).values():
                 if src.files is not None:
                     src.files.close()
                     src.files = None
+
+    def _plan(
+        self, path: str, dest: torch.Tensor, box: tuple[tuple[int, ...], tuple[int, ...]], e: Entry
+    ) -> list[tuple[PieceRead, int, Entry]]:
+        """The reads that fill `dest` (box `box` of `path`'s tensor): (read, saved rank, its entry)."""
+        pieces = self._pieces(path) or [(self.rank, e)]
+        ref = e.dtensor
+        assert ref is not None
+        for r, pe in pieces:
+            info = pe.dtensor
+            assert info is not None
+            if pe.dtype != e.dtype or tuple(info.global_shape) != tuple(ref.global_shape):
+                raise CheckpointCorruptedError(
+                    f"step {self.step}: {path}: saved rank {r}'s piece is {pe.dtype} of global shape "
+                    f"{list(info.global_shape)}, another rank's says {e.dtype} {list(ref.global_shape)}"
+                )
+        plan_input = pieces_of(pieces, dest.element_size())
+        by_piece = {id(p): saved for p, saved in zip(plan_input, pieces, strict=True)}
+        try:
+            reads = plan_box(box, plan_input)
+        except ValueError as exc:
+            raise CheckpointCorruptedError(f"step {self.step}: {path}: {exc}") from None
+        return [(rd, *by_piece[id(rd.piece)]) for rd in reads]
 
     def _files(self, r: int) -> _Source:
         src = self.sources()[r]
@@ -212,11 +236,29 @@ class Resharder:
             src.files = ShardFiles(src.tier, self.step, src.manifest.files)
         return src
 
+    def _concurrent(self, r: int, e: Entry) -> bool:
+        files = self._files(r).files
+        assert files is not None
+        return files.concurrent(e.file)
+
+    def _where(self, path: str, r: int, e: Entry) -> str:
+        return f"{self.sources()[r].tier.path_of(self.step, e.file)} ({path}, saved rank {r})"
+
     def _read_piece(self, path: str, dest: torch.Tensor, rd: PieceRead, r: int, e: Entry) -> None:
         src = self._files(r)
         assert src.files is not None
-        where = f"{src.tier.path_of(self.step, e.file)} ({path}, saved rank {r})"
-        read_piece(src.files, src.manifest.checksum_algorithm, e, rd, dest, where)
+        read_piece(src.files, src.manifest.checksum_algorithm, e, rd, dest, self._where(path, r, e))
+
+    def _jobs(self, path: str, dest: torch.Tensor, rd: PieceRead, r: int, e: Entry) -> list[_Job]:
+        """`rd` as reader threads' jobs: its blocks in runs of about `_JOB_BYTES` when it
+        lands in the template directly, else one job through a buffer."""
+        src = self._files(r)
+        assert src.files is not None
+        blocks = _blocks(e, rd)
+        region = _region(dest, rd)
+        runs = [blocks] if region is None else _runs(blocks)
+        where = self._where(path, r, e)
+        return [_Job(src.files, src.manifest.checksum_algorithm, e, rd, dest, where, region, run) for run in runs]
 
 
 class LastBlocks:
@@ -259,8 +301,8 @@ def read_piece(
     """
     info = e.dtensor
     assert info is not None
-    buf = bytearray(rd.end - rd.start)
-    view = memoryview(buf)
+    buf = torch.empty(rd.end - rd.start, dtype=torch.uint8)  # every byte is read or taken below
+    view = _bytes(buf)
     reused = 0
     if last is not None and rd.piece.block:
         reused = last.take(rd.piece.holder, e.file, e.offset + rd.start, view)
@@ -274,17 +316,163 @@ def read_piece(
             chunk = view[lo : min(len(buf), lo + info.block)]
             if k >= len(info.blocks) or digest(chunk) != info.blocks[k]:
                 raise CheckpointCorruptedError(f"{where}: checksum mismatch in block {k} of this piece")
-        if last is not None and buf:
+        if last is not None and len(view):
             lo = (rd.end - 1) // info.block * info.block - rd.start
             last.keep(rd.piece.holder, e.file, e.offset + rd.start + lo, view[lo:])
     elif digest(view) != e.checksum:
         raise CheckpointCorruptedError(f"{where}: checksum mismatch")
+    _place(rd, buf, dest)
+
+
+def _place(rd: PieceRead, buf: torch.Tensor, dest: torch.Tensor) -> None:
+    """Copy `rd`'s intersection from `buf` (bytes [rd.start, rd.end) of its piece) into `dest`."""
     row_bytes = rd.piece.itemsize * math.prod(rd.piece.sizes[1:])
     lo = rd.row0 * row_bytes - rd.start if rd.piece.sizes else 0
-    raw = torch.frombuffer(buf, dtype=torch.uint8)[lo : lo + rd.rows * row_bytes if rd.piece.sizes else None]
+    raw = buf[lo : lo + rd.rows * row_bytes if rd.piece.sizes else None]
     rows = raw.view(dest.dtype).reshape((rd.rows, *rd.piece.sizes[1:]) if rd.piece.sizes else ())
     with torch.no_grad():
         dest[rd.dst].copy_(rows[rd.src])
+
+
+_Block = tuple[int | None, int, int]  # (block number, None: the piece's one checksum; its bytes [start, end))
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """Blocks `blocks` of read `rd` for one reader thread. With `region` (the bytes of
+    `dest[rd.dst]`, exactly rows [rd.row0, rd.row0 + rd.rows) of the piece: whole rows into a
+    contiguous part of a CPU template) a block inside those rows is read into it and verified
+    there, a block that sticks out (the first and last of an unaligned band) through a
+    buffer of one block; without, all of `rd` is read into a buffer and its intersection
+    copied (`_place`)."""
+
+    files: ShardFiles
+    algorithm: str
+    entry: Entry
+    rd: PieceRead
+    dest: torch.Tensor
+    where: str
+    region: memoryview | None
+    blocks: list[_Block]
+
+
+def _blocks(e: Entry, rd: PieceRead) -> list[_Block]:
+    """The checksum blocks `rd` spans, as `read_piece` checks them."""
+    info = e.dtensor
+    assert info is not None
+    if not rd.piece.block:
+        return [(None, rd.start, rd.end)]
+    first = rd.start // info.block
+    count = -(-(rd.end - rd.start) // info.block)
+    return [(k, k * info.block, min(rd.end, (k + 1) * info.block)) for k in range(first, first + count)]
+
+
+def _runs(blocks: list[_Block]) -> list[list[_Block]]:
+    """`blocks` cut into runs of about `_JOB_BYTES` (at least one block each)."""
+    runs: list[list[_Block]] = [[]]
+    size = 0
+    for b in blocks:
+        if runs[-1] and size + b[2] - b[1] > _JOB_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(b)
+        size += b[2] - b[1]
+    return runs
+
+
+def _region(dest: torch.Tensor, rd: PieceRead) -> memoryview | None:
+    """The bytes of `dest[rd.dst]` when they are exactly rows [rd.row0, rd.row0 + rd.rows)
+    of `rd`'s piece (whole rows into a contiguous part of a CPU tensor); else None."""
+    sizes = rd.piece.sizes
+    if not sizes or dest.device.type != "cpu" or dest.element_size() != rd.piece.itemsize:
+        return None
+    if any(s != slice(0, n) for s, n in zip(rd.src[1:], sizes[1:], strict=True)):
+        return None  # part of each row: not one range of the piece
+    part = dest[rd.dst]
+    if not part.is_contiguous() or part.is_conj() or part.is_neg() or part.numel() == 0:
+        return None
+    return _bytes(part.detach().reshape(-1).view(torch.uint8))
+
+
+def _apart(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether no two of `tensors` share memory: the reads of one fill go to disjoint parts of
+    it (`plan_box`), those of two fills only if their tensors are apart (tied or overlapping
+    template views are filled one read after another, the last one winning as ever)."""
+    spans = []
+    for t in tensors:
+        if t.numel():
+            extent = (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+            spans.append((str(t.device), t.data_ptr(), t.data_ptr() + extent))
+    spans.sort()
+    return all(a[0] != b[0] or a[2] <= b[1] for a, b in itertools.pairwise(spans))
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A writable view of the memory of a contiguous uint8 CPU tensor."""
+    return memoryview(t.numpy())  # type: ignore[arg-type]
+
+
+def _check(job: _Job, k: int | None, view: memoryview) -> None:
+    info = job.entry.dtensor
+    assert info is not None
+    digest = checksum_function(job.algorithm)
+    if k is None:
+        if digest(view) != job.entry.checksum:
+            raise CheckpointCorruptedError(f"{job.where}: checksum mismatch")
+    elif k >= len(info.blocks) or digest(view) != info.blocks[k]:
+        raise CheckpointCorruptedError(f"{job.where}: checksum mismatch in block {k} of this piece")
+
+
+def _run_job(job: _Job) -> None:
+    """Read, verify and place `job`'s blocks, each hashed right after its read (in cache)."""
+    e, rd = job.entry, job.rd
+    if job.region is None:
+        buf = torch.empty(rd.end - rd.start, dtype=torch.uint8)
+        view = _bytes(buf)
+        for k, lo, hi in job.blocks:
+            chunk = view[lo - rd.start : hi - rd.start]
+            job.files.read_into(e.file, e.offset + lo, chunk)
+            _check(job, k, chunk)
+        _place(rd, buf, job.dest)
+        return
+    first = rd.row0 * rd.piece.itemsize * math.prod(rd.piece.sizes[1:])  # the region's first byte in the piece
+    last = first + len(job.region)
+    for k, lo, hi in job.blocks:
+        if first <= lo and hi <= last:
+            chunk = job.region[lo - first : hi - first]
+            job.files.read_into(e.file, e.offset + lo, chunk)
+            _check(job, k, chunk)
+        else:
+            edge = _bytes(torch.empty(hi - lo, dtype=torch.uint8))
+            job.files.read_into(e.file, e.offset + lo, edge)
+            _check(job, k, edge)
+            a, b = max(lo, first), min(hi, last)
+            job.region[a - first : b - first] = edge[a - lo : b - lo]
+
+
+def _run_parallel(jobs: Sequence[_Job]) -> None:
+    """`_run_job` of every job on `READERS` threads, at most `_JOBS_AHEAD` submitted and not
+    yet done (a buffer lives only while its job runs); the first failure in plan order is
+    raised here, after what had not started is cancelled and what had has ended, so no
+    thread writes into the template afterwards. The jobs' destinations are disjoint
+    (`plan_box`), so their copies need no lock."""
+    out: deque[Future[None]] = deque()
+    pool = ThreadPoolExecutor(READERS, thread_name_prefix="tiercheck-reshard")
+    try:
+        for job in jobs:
+            if len(out) >= _JOBS_AHEAD:
+                out.popleft().result()
+            out.append(pool.submit(_run_job, job))
+        while out:
+            out.popleft().result()
+    finally:
+        for fut in out:
+            fut.cancel()
+        pool.shutdown(wait=True)
+
+
+_JOB_BYTES = 4 << 20  # bytes of blocks one job reads straight into the template, about
+_JOBS_AHEAD = 2 * READERS  # jobs submitted and not yet done, at most
 
 
 def pieces_of(saved: Sequence[tuple[int, Entry]], itemsize: int) -> list[Piece]:

@@ -7,7 +7,6 @@ when the whole step verified are plain values written and `load_state_dict` call
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
@@ -38,6 +37,7 @@ from .catalog import (
     read_marker_and_guess,
     reading_committed,
 )
+from .catalog import READERS as _READERS  # threads reading large entries of a local shard
 from .reshard import Resharder, consistent_keys
 
 Producer = Callable[[], object]
@@ -940,7 +940,6 @@ def _joined(parts: list[tuple[int, str]]) -> str:
     return parts[0][1] if len(parts) == 1 else f"{crc:08x}"
 
 
-_READERS = max(1, min(4, os.cpu_count() or 1))  # threads reading large entries of a local shard
 _READS_AHEAD = 2 * _READERS  # pieces being read at once, at most
 _PIECE = 64 << 20  # bytes of an entry one thread reads and hashes (CRC-32C: pieces combined)
 _HASH_CHUNK = 2 << 20  # bytes read, then hashed while in cache
