@@ -7,11 +7,13 @@ when the whole step verified are plain values written and `load_state_dict` call
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Union
 
 import numpy as np
@@ -45,6 +47,7 @@ _Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
 _CPU = torch.device("cpu")
 _Memory = tuple[tuple[object, ...], int]  # (identity of a template tensor's memory, its byte span)
 _MISSING = object()
+_LEAF_NODES = frozenset({"tensor", "ndarray", "npscalar", "bytes"})
 
 
 @dataclass(slots=True)
@@ -95,9 +98,9 @@ class _Binder:
         # key paths of template keys the checkpoint lacks (an error unless strict=False)
         self.missing: list[str] = parent.missing if parent else []
         # template memory lent to the read: (device, address, shape, strides, dtype) ->
-        # (checkpoint region, key path); every lent span, whose reads `place_lent` plans
-        # once all are known; and the groups of them that overlap in memory
-        self.lent: dict[tuple[object, ...], tuple[tuple[object, ...], str]] = parent.lent if parent else {}
+        # (the entry read into it, key path); every lent span, whose reads `place_lent`
+        # plans once all are known; and the groups of them that overlap in memory
+        self.lent: dict[tuple[object, ...], tuple[Entry, str]] = parent.lent if parent else {}
         self.spans: list[_Lent] = parent.spans if parent else []
         self.overlaps: list[_Overlap] = parent.overlaps if parent else []
         # DTensor leaves held here at another layout (another mesh, placements or world
@@ -107,14 +110,14 @@ class _Binder:
 
     def bind(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
         t = node["t"]
-        if t == "replica":  # the value lives in another rank's part of this step
-            owner, target = self.replicas[id(node)]
-            return owner.bind(tmpl, target, path, mode)
-        if t in ("tensor", "ndarray", "npscalar", "bytes"):
+        if t in _LEAF_NODES:  # first: a large state is mostly leaves
             e = self.entries[node["e"]]
             if e.dtensor is not None and self.resharder is not None and self.resharder.wants(tmpl, e, self.own):
                 return self.resharder.bind(tmpl, e, path, mode.fill)
-            return self._leaf(tmpl, e, path, mode)
+            return self._tensor(tmpl, e, path, mode) if e.kind == "tensor" else self._leaf(tmpl, e, path, mode)
+        if t == "replica":  # the value lives in another rank's part of this step
+            owner, target = self.replicas[id(node)]
+            return owner.bind(tmpl, target, path, mode)
         if t == "dict":
             return self._mapping(tmpl, node, path, mode)
         if t == "stateful":
@@ -203,7 +206,7 @@ class _Binder:
                     return lent
         elif mode.fill:
             self._refuse_conflict(tmpl, path, "tensor")
-        region = (e.file, e.offset, e.length, e.dtype, e.shape)
+        region = _region(e)
         fresh = self.fresh.get(region) if e.length else None
         if fresh is None:  # tied tensors come back tied, read once
             fresh = self.fresh[region] = torch.empty(e.shape, dtype=dtype)
@@ -218,11 +221,10 @@ class _Binder:
         if memory is None:  # empty: nothing to read
             return self._into(tmpl, e)
         identity, span = memory
-        region = (e.file, e.offset, e.length, e.dtype, e.shape)
         known = self.lent.get(identity)
         if known is not None:
-            return (lambda: tmpl) if known[0] == region else None  # tied on both sides: read once
-        self.lent[identity] = (region, path)
+            return (lambda: tmpl) if _region(known[0]) == _region(e) else None  # tied on both sides: read once
+        self.lent[identity] = (e, path)
         device, low = str(identity[0]), int(identity[1])  # type: ignore[call-overload]
         # numpy and CPU tensors can share memory (torch.from_numpy): one address space
         lent = _Lent(tmpl, e, path, device if isinstance(tmpl, torch.Tensor) else "cpu", low, low + span)
@@ -234,11 +236,10 @@ class _Binder:
         negative view (the same identity as `_tensor_memory`'s, so it ties with the others)."""
         low = tmpl.data_ptr()
         identity = (_CPU, low, e.shape, tmpl.stride(), dtype)
-        region = (e.file, e.offset, e.length, e.dtype, e.shape)
         known = self.lent.get(identity)
         if known is not None:
-            return _returns(tmpl) if known[0] == region else None  # tied on both sides: read once
-        self.lent[identity] = (region, path)
+            return _returns(tmpl) if _region(known[0]) == _region(e) else None  # tied on both sides: read once
+        self.lent[identity] = (e, path)
         lent = _Lent(tmpl, e, path, "cpu", low, low + e.length, plain=True)
         self.spans.append(lent)
         return lent
@@ -249,10 +250,23 @@ class _Binder:
     def place_lent(self) -> None:
         """Plan the reads into lent template memory, once binding has lent all of it: in
         place where a span overlaps no other, else read aside as one `_Overlap` per group of
-        views that overlap (transitively), checked and written only once every byte verified."""
+        views that overlap (transitively), checked and written only once every byte verified.
+        The byte views of template tensors are made without autograd (`_place_run` copies
+        into them the same way): a parameter's view needs no graph, only its memory."""
+        with torch.no_grad():
+            self._place_lent()
+
+    def _place_lent(self) -> None:
+        spans = sorted(self.spans, key=_BY_ADDRESS)
+        # Sorted by start, spans none of which ends after the next one starts overlap nowhere
+        # (a device change between two may fail this test: the loop below then decides).
+        if all(map(operator.le, map(_HIGH, spans), map(_LOW, islice(spans, 1, None)))):
+            for lent in spans:
+                self._place_one(lent)
+            return
         group: list[_Lent] = []
         high = 0
-        for lent in sorted(self.spans, key=lambda sp: (sp.device, sp.low)):
+        for lent in spans:
             if group and (lent.device != group[0].device or lent.low >= high):
                 self._place(group)
                 group = []
@@ -261,15 +275,18 @@ class _Binder:
         if group:
             self._place(group)
 
+    def _place_one(self, lent: _Lent) -> None:
+        """The read of a lent span that overlaps no other: into the template's own memory."""
+        if lent.plain:  # `_into_tensor`, its checks made by `_lend_plain`
+            assert isinstance(lent.tmpl, torch.Tensor)
+            self.reads.append(_Read(lent.entry, torch.flatten(lent.tmpl).view(torch.uint8)))
+            lent.produce = None  # the template's tensor itself
+        else:
+            lent.produce = self._into(lent.tmpl, lent.entry)
+
     def _place(self, group: list[_Lent]) -> None:
         if len(group) == 1:
-            lent = group[0]
-            if lent.plain:  # `_into_tensor`, its checks made by `_lend_plain`
-                assert isinstance(lent.tmpl, torch.Tensor)
-                self.reads.append(_Read(lent.entry, _tensor_bytes(lent.tmpl.detach())))
-                lent.produce = _returns(lent.tmpl)
-            else:
-                lent.produce = self._into(lent.tmpl, lent.entry)
+            self._place_one(group[0])
             return
         odd = next((g for g in group if not _plain_memory(g.tmpl)), None)
         if odd is not None:
@@ -281,7 +298,7 @@ class _Binder:
             )
         self.overlaps.append(_Overlap(group, self.step))
         for g in group:
-            g.produce = _returns(g.tmpl)
+            g.produce = None  # the template's value, written by `_Overlap.write`
 
     def _into_tensor(self, tmpl: torch.Tensor, e: Entry) -> Producer:
         target = tmpl.detach()
@@ -501,6 +518,10 @@ def _array_memory(a: np.ndarray[Any, Any]) -> _Memory | None:
     return ("numpy", low, a.shape, a.strides, a.dtype.str), span
 
 
+def _unplaced() -> object:
+    raise AssertionError("place_lent runs before any value is produced")
+
+
 @dataclass(slots=True)
 class _Lent:
     """Template memory lent to the read of `entry`; `produce` is planned by `place_lent`.
@@ -508,6 +529,7 @@ class _Lent:
     Attributes:
         low, high: the byte span the value's elements lie in.
         plain: lent by `_lend_plain`.
+        produce: what makes the value; None: the template's value itself, read in place.
     """
 
     tmpl: _Target
@@ -517,11 +539,11 @@ class _Lent:
     low: int
     high: int
     plain: bool = False
-    produce: Producer | None = None
+    produce: Producer | None = _unplaced
 
     def __call__(self) -> object:
-        assert self.produce is not None, "place_lent runs before any value is produced"
-        return self.produce()
+        produce = self.produce
+        return self.tmpl if produce is None else produce()
 
     def bytes_view(self, scratch: np.ndarray[Any, Any], low: int) -> np.ndarray[Any, Any]:
         """The value's bytes as they would lie in `scratch`, a copy of memory from `low` on:
@@ -612,6 +634,16 @@ def _plain_memory(t: _Target) -> bool:
 
 def _returns(value: object) -> Producer:
     return lambda: value
+
+
+def _region(e: Entry) -> tuple[object, ...]:
+    """Where `e`'s bytes lie and what they are: entries equal in it are one value (tied)."""
+    return (e.file, e.offset, e.length, e.dtype, e.shape)
+
+
+_BY_ADDRESS = operator.attrgetter("device", "low")
+_LOW = operator.attrgetter("low")
+_HIGH = operator.attrgetter("high")
 
 
 def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -829,9 +861,9 @@ def _read_verified(
     Runs of small entries (`_small_runs`) take one read and one task each, which checks
     them and only then copies them to their destinations (`_verify_run`)."""
     pending: list[tuple[Entry, Future[str]]] = []
-    batched: list[tuple[list[_Read], Future[list[str]]]] = []
+    batched: list[tuple[list[_Read], Future[list[str] | None]]] = []
     checked: list[tuple[Entry, str]] = []
-    total = sum(r.entry.length for r in reads)
+    total = sum(r.entry.length for r in reads) if progress is not None else 0
     done = 0
     with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-verify") as hasher:
         try:
@@ -866,7 +898,10 @@ def _read_verified(
                 fut.cancel()
             raise
         checked += [(e, fut.result()) for e, fut in pending]
-        checked += [(r.entry, digest) for run, bfut in batched for r, digest in zip(run, bfut.result(), strict=True)]
+        for run, bfut in batched:
+            got = bfut.result()
+            if got is not None:  # some digest differs: the check below names the entry
+                checked += zip(map(_ENTRY, run), got, strict=True)
         for e, digest in checked:
             if digest != e.checksum:
                 raise CheckpointCorruptedError(
@@ -956,20 +991,27 @@ def _small_runs(reads: Sequence[_Read]) -> tuple[list[_Read], list[list[_Read]]]
     few MiB per call, not one system call and two checksum tasks per leaf."""
     large: list[_Read] = []
     runs: list[list[_Read]] = []
-    for r in sorted(reads, key=lambda r: (r.entry.file, r.entry.offset)):
-        if r.entry.length > _SMALL_READ:
+    run: list[_Read] = []
+    file: str | None = None
+    start = 0  # the offset of the run's first read
+    for r in sorted(reads, key=_IN_FILE_ORDER):
+        e = r.entry
+        if e.length > _SMALL_READ:
             large.append(r)
-            continue
-        run = runs[-1] if runs else None
-        if (
-            run is None
-            or run[0].entry.file != r.entry.file
-            or r.entry.offset + r.entry.length - run[0].entry.offset > _RUN_BYTES
-        ):
-            runs.append([r])
+        elif e.file != file or e.offset + e.length - start > _RUN_BYTES:
+            run = [r]
+            runs.append(run)
+            file, start = e.file, e.offset
         else:
             run.append(r)
     return large, runs
+
+
+_IN_FILE_ORDER = operator.attrgetter("entry.file", "entry.offset")
+_ENTRY = operator.attrgetter("entry")
+_OFFSET = operator.attrgetter("offset")
+_LENGTH = operator.attrgetter("length")
+_CHECKSUM = operator.attrgetter("checksum")
 
 
 def _writable(dest: memoryview | torch.Tensor) -> memoryview:
@@ -978,60 +1020,68 @@ def _writable(dest: memoryview | torch.Tensor) -> memoryview:
 
 def _read_run(files: ShardFiles, run: list[_Read]) -> tuple[int, torch.Tensor]:
     """One read of the file span `run` covers: its first byte's offset, and the bytes."""
-    start = run[0].entry.offset
-    end = max(r.entry.offset + r.entry.length for r in run)
+    entries = list(map(_ENTRY, run))
+    start = entries[0].offset
+    end = max(map(operator.add, map(_OFFSET, entries), map(_LENGTH, entries)))
     buf = torch.empty(end - start, dtype=torch.uint8)
     files.read_into(run[0].entry.file, start, _bytes_of(buf.numpy()))
     return start, buf
 
 
-def _verify_run(algorithm: str, run: list[_Read], start: int, buf: torch.Tensor) -> list[str]:
-    """The digest of each read of `run` in `buf` (the file's bytes from `start`); only when
-    every one matches are the reads copied to their destinations, so a damaged run never
-    reaches the template."""
+def _verify_run(algorithm: str, run: list[_Read], start: int, buf: torch.Tensor) -> list[str] | None:
+    """Check each read of `run` in `buf` (the file's bytes from `start`) against its digest;
+    only when every one matches are the reads copied to their destinations, so a damaged run
+    never reaches the template. Returns None then, else every read's digest."""
     digest = checksum_function(algorithm)
     span = _bytes_of(buf.numpy())
-    got = [digest(span[r.entry.offset - start : r.entry.offset - start + r.entry.length]) for r in run]
-    if got == [r.entry.checksum for r in run]:
-        _place_run(run, start, buf, span)
-    return got
+    entries = list(map(_ENTRY, run))
+    los = [e.offset - start for e in entries]
+    ns = list(map(_LENGTH, entries))
+    got = list(map(digest, map(span.__getitem__, map(slice, los, map(operator.add, los, ns)))))
+    if got != list(map(_CHECKSUM, entries)):
+        return got
+    _place_run(run, los, ns, buf, span)
+    return None
 
 
-def _place_run(run: list[_Read], start: int, buf: torch.Tensor, span: memoryview) -> None:
-    """Copy each read of `run` from `buf`: the tensors in one `_foreach_copy_` from pieces of
-    one `split` (when, as a writer lays them out, the reads follow each other without
-    overlapping), any other destination by a byte copy."""
+def _place_run(run: list[_Read], los: list[int], ns: list[int], buf: torch.Tensor, span: memoryview) -> None:
+    """Copy each read of `run` (`ns` bytes at `los` in `buf`): the tensors in one
+    `_foreach_copy_` from pieces of one `split` (when, as a writer lays them out, the reads
+    follow each other without overlapping), any other destination by a byte copy."""
     dests: list[torch.Tensor] = []
     spans: list[tuple[int, int]] = []
-    for r in run:
-        lo, n = r.entry.offset - start, r.entry.length
+    sizes: list[int] = []  # of the pieces `split` cuts: the reads and the gaps between them
+    keep: list[int] = []  # the reads' pieces
+    pos = 0
+    tied = False  # two reads of one region (tied in the checkpoint, not in the template)
+    for r, lo, n in zip(run, los, ns, strict=True):
+        dest = r.dest
         if not n:
             continue
-        if isinstance(r.dest, torch.Tensor):
-            dests.append(r.dest)
-            spans.append((lo, n))
-        else:
-            r.dest[:] = span[lo : lo + n]
+        if not isinstance(dest, torch.Tensor):
+            dest[:] = span[lo : lo + n]
+            continue
+        dests.append(dest)
+        spans.append((lo, n))
+        if lo < pos:
+            tied = True
+        elif not tied:
+            if lo > pos:
+                sizes.append(lo - pos)
+            keep.append(len(sizes))
+            sizes.append(n)
+            pos = lo + n
     if not dests:
         return
-    sizes: list[int] = []
-    keep: list[int] = []
-    pos = 0
-    for lo, n in spans:
-        if lo < pos:  # two reads of one region (tied in the checkpoint, not in the template)
-            srcs = [buf[lo : lo + n] for lo, n in spans]
-            break
-        if lo > pos:
-            sizes.append(lo - pos)
-        keep.append(len(sizes))
-        sizes.append(n)
-        pos = lo + n
+    if tied:
+        srcs = [buf[lo : lo + n] for lo, n in spans]
     else:
         if pos < len(buf):
             sizes.append(len(buf) - pos)
         pieces = torch.split(buf, sizes)
         srcs = [pieces[i] for i in keep]
-    torch._foreach_copy_(dests, srcs)
+    with torch.no_grad():  # the template's byte views (`place_lent`): no graph to record
+        torch._foreach_copy_(dests, srcs)
 
 
 _RELISTS = 3  # how often a step pruned while read makes an automatic restore list the tiers again
