@@ -338,7 +338,7 @@ def cost_part(args: argparse.Namespace, scratch: Path, shm: Path) -> list[dict[s
         "coord": 120.0,
     }
     try:
-        got = job("cost", spec, scratch, args.cost_timeout)
+        got = job("cost", spec, scratch, args.cost_timeout, nodes=[int(n) for n in args.cost_nodes.split(",")])
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(mem, ignore_errors=True)
@@ -480,6 +480,7 @@ def main() -> None:
     )
     ap.add_argument("--cost-mib", type=int, default=256, help="state per rank, MiB (cost)")
     ap.add_argument("--cost-repeats", type=int, default=7)
+    ap.add_argument("--cost-nodes", default="0,0,1,1", help="node of each rank (cost): 0,1 gives each rank a core here")
     ap.add_argument("--cost-timeout", type=float, default=240.0)
     ap.add_argument("--save-rate", type=float, default=None, help="memory_peer_rate of tier0+peers (cost), MB/s")
     ap.add_argument("--lost-width", type=int, default=2048, help="MLP width (lost)")
@@ -527,7 +528,7 @@ def main() -> None:
         print(restore_report(args, res["restore"]))
     if res.get("cost"):
         print(
-            f"\nsave cost, 4 ranks x {args.cost_mib} MiB, {args.cost_repeats} repeats, "
+            f"\nsave cost, ranks on nodes {args.cost_nodes}, {args.cost_mib} MiB each, {args.cost_repeats} repeats, "
             "medians [min-max] over ranks x repeats\n"
         )
         print(cost_report(res["cost"]))
