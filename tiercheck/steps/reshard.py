@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -440,7 +441,7 @@ def _run_job(job: _Job) -> None:
     """Read, verify and place `job`'s blocks, each hashed right after its read (in cache)."""
     e, rd = job.entry, job.rd
     if job.region is None:
-        buf = torch.empty(rd.end - rd.start, dtype=torch.uint8)
+        buf = _scratch(rd.end - rd.start)
         view = _bytes(buf)
         for k, lo, hi in job.blocks:
             chunk = view[lo - rd.start : hi - rd.start]
@@ -456,19 +457,29 @@ def _run_job(job: _Job) -> None:
             job.files.read_into(e.file, e.offset + lo, chunk)
             _check(job, k, chunk)
         else:
-            edge = _bytes(torch.empty(hi - lo, dtype=torch.uint8))
+            edge = _bytes(_scratch(hi - lo))
             job.files.read_into(e.file, e.offset + lo, edge)
             _check(job, k, edge)
             a, b = max(lo, first), min(hi, last)
             job.region[a - first : b - first] = edge[a - lo : b - lo]
 
 
+def _scratch(n: int) -> torch.Tensor:
+    """`n` bytes of this reader thread's buffer, grown as needed: a fresh buffer per read
+    cost its page faults each time (a 16 MiB piece read 4x by each of 4 ranks took 0.48 s
+    with a buffer per read, 0.29 s with one per thread)."""
+    held: torch.Tensor | None = getattr(_SCRATCH, "buf", None)
+    if held is None or held.numel() < n:
+        held = _SCRATCH.buf = torch.empty(n, dtype=torch.uint8)
+    return held[:n]
+
+
 def _run_parallel(jobs: Sequence[_Job]) -> None:
     """`_run_job` of every job on `READERS` threads, at most `_JOBS_AHEAD` submitted and not
-    yet done (a buffer lives only while its job runs); the first failure in plan order is
-    raised here, after what had not started is cancelled and what had has ended, so no
-    thread writes into the template afterwards. The jobs' destinations are disjoint
-    (`plan_box`), so their copies need no lock."""
+    yet done (each thread's buffer, the size of its largest read, ends with the pool); the
+    first failure in plan order is raised here, after what had not started is cancelled and
+    what had has ended, so no thread writes into the template afterwards. The jobs'
+    destinations are disjoint (`plan_box`), so their copies need no lock."""
     out: deque[Future[None]] = deque()
     pool = ThreadPoolExecutor(READERS, thread_name_prefix="tiercheck-reshard")
     try:
@@ -484,6 +495,7 @@ def _run_parallel(jobs: Sequence[_Job]) -> None:
         pool.shutdown(wait=True)
 
 
+_SCRATCH = threading.local()  # each reader thread's buffer (`_scratch`)
 _JOB_BYTES = 4 << 20  # bytes of blocks one job reads straight into the template, about
 _JOBS_AHEAD = 2 * READERS  # jobs submitted and not yet done, at most
 
