@@ -1037,7 +1037,7 @@ def _verify_run(algorithm: str, run: list[_Read], start: int, buf: torch.Tensor)
     entries = list(map(_ENTRY, run))
     los = [e.offset - start for e in entries]
     ns = list(map(_LENGTH, entries))
-    got = list(map(digest, map(span.__getitem__, map(slice, los, map(operator.add, los, ns)))))
+    got = [digest(span[lo : lo + n]) for lo, n in zip(los, ns, strict=True)]
     if got != list(map(_CHECKSUM, entries)):
         return got
     _place_run(run, los, ns, buf, span)
