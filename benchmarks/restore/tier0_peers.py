@@ -449,7 +449,7 @@ def lost_report(rows: list[dict[str, Any]]) -> str:
         "| | lost s/save | stall s | idle (copies done) s | extra CPU s | baseline step s |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    lines += method_rows(COST_METHODS, keys, vals)
+    lines += method_rows(LOST_METHODS, keys, vals)
     for a, b in (("tier0", "tier1"), ("tier0+peers", "tier1"), ("tier0+peers", "tier0")):
         lost_a, lost_b = med(vals(a, "lost_s")), med(vals(b, "lost_s"))
         lines.append(
