@@ -47,7 +47,15 @@ from ..plan.reshard import Piece, PieceRead, plan_box
 from ..tiers.base import Tier
 from .catalog import READERS, MissingManifestError, ShardFiles, read_manifest, read_marker
 
-__all__ = ["LastBlocks", "Resharder", "consistent_keys", "pieces_of", "read_piece", "template_box"]
+__all__ = [
+    "LastBlocks",
+    "Resharder",
+    "check_pieces_agree",
+    "consistent_keys",
+    "pieces_of",
+    "read_piece",
+    "template_box",
+]
 
 Producer = Callable[[], object]
 
@@ -214,16 +222,7 @@ class Resharder:
     ) -> list[tuple[PieceRead, int, Entry]]:
         """The reads that fill `dest` (box `box` of `path`'s tensor): (read, saved rank, its entry)."""
         pieces = self._pieces(path) or [(self.rank, e)]
-        ref = e.dtensor
-        assert ref is not None
-        for r, pe in pieces:
-            info = pe.dtensor
-            assert info is not None
-            if pe.dtype != e.dtype or tuple(info.global_shape) != tuple(ref.global_shape):
-                raise CheckpointCorruptedError(
-                    f"step {self.step}: {path}: saved rank {r}'s piece is {pe.dtype} of global shape "
-                    f"{list(info.global_shape)}, another rank's says {e.dtype} {list(ref.global_shape)}"
-                )
+        check_pieces_agree(pieces, e, f"step {self.step}: {path}")
         plan_input = pieces_of(pieces, dest.element_size())
         by_piece = {id(p): saved for p, saved in zip(plan_input, pieces, strict=True)}
         try:
@@ -498,6 +497,21 @@ def _run_parallel(jobs: Sequence[_Job]) -> None:
 _SCRATCH = threading.local()  # each reader thread's buffer (`_scratch`)
 _JOB_BYTES = 4 << 20  # bytes of blocks one job reads straight into the template, about
 _JOBS_AHEAD = 2 * READERS  # jobs submitted and not yet done, at most
+
+
+def check_pieces_agree(pieces: Sequence[tuple[int, Entry]], e: Entry, where: str) -> None:
+    """Raise CheckpointCorruptedError (prefixed `where`) unless every saved piece of a DTensor
+    has entry `e`'s dtype and global shape: the one rule restore and the tools apply."""
+    ref = e.dtensor
+    assert ref is not None
+    for r, pe in pieces:
+        info = pe.dtensor
+        assert info is not None
+        if pe.dtype != e.dtype or tuple(info.global_shape) != tuple(ref.global_shape):
+            raise CheckpointCorruptedError(
+                f"{where}: saved rank {r}'s piece is {pe.dtype} of global shape "
+                f"{list(info.global_shape)}, another rank's says {e.dtype} {list(ref.global_shape)}"
+            )
 
 
 def pieces_of(saved: Sequence[tuple[int, Entry]], itemsize: int) -> list[Piece]:

@@ -41,7 +41,7 @@ from ..steps.catalog import (
     reading_committed,
     shard_files,
 )
-from ..steps.reshard import LastBlocks, pieces_of, read_piece
+from ..steps.reshard import LastBlocks, check_pieces_agree, pieces_of, read_piece
 from ..tiers.base import Tier
 from ..tiers.open import open_tier
 
@@ -189,14 +189,7 @@ class _Wholes:
         length = math.prod(info.global_shape) * TORCH_DTYPES[e.dtype].itemsize
         whole = dataclasses.replace(e, shape=tuple(info.global_shape), length=length)
         pieces = tuple(self._index.get(e.path, ()))
-        for r, pe in pieces:
-            other = pe.dtensor
-            assert other is not None
-            if pe.dtype != e.dtype or tuple(other.global_shape) != tuple(info.global_shape):
-                raise CheckpointCorruptedError(
-                    f"{self.tier.path_of(self.step)}: {e.path}: saved rank {r}'s piece is {pe.dtype} of global "
-                    f"shape {list(other.global_shape)}, another rank's says {e.dtype} {list(info.global_shape)}"
-                )
+        check_pieces_agree(pieces, e, f"{self.tier.path_of(self.step)}: {e.path}")
         self.assembled[whole] = pieces
         return whole
 
