@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StepPrunedError
 from ..format import naming
@@ -38,6 +40,7 @@ __all__ = [
     "MissingManifestError",
     "ReplicaResolver",
     "ShardFiles",
+    "in_order",
     "list_committed",
     "present_manifests",
     "pruned_while_read",
@@ -55,6 +58,30 @@ READ_CHUNK = 32 << 20
 READERS = max(1, min(4, os.cpu_count() or 1))  # threads reading a local shard at once (`ShardFiles.concurrent`)
 COPY_BLOCK = 8 << 20  # bytes per read when a shard is copied through the opener
 GUESS_MANIFEST_BYTES = 8 << 20  # a guessed manifest is fetched only if smaller (~200 bytes per tensor)
+
+
+_T = TypeVar("_T")
+
+
+def in_order(fn: Callable[..., _T], calls: Iterable[tuple[Any, ...]], threads: int, name: str) -> Iterator[_T]:
+    """`fn(*args)` of each of `calls` on `threads` threads (named `name`), at most twice as
+    many submitted and not yet done; the results in the order of `calls`. A failure is raised
+    here, after what had not started is cancelled and what had has ended: once this returns
+    or raises, no thread of it writes into the caller's memory (the reads of a restore land
+    in the template)."""
+    out: deque[Future[_T]] = deque()
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+    try:
+        for args in calls:
+            if len(out) >= 2 * threads:
+                yield out.popleft().result()
+            out.append(pool.submit(fn, *args))
+        while out:
+            yield out.popleft().result()
+    finally:
+        for fut in out:
+            fut.cancel()
+        pool.shutdown(wait=True)
 
 
 class MissingManifestError(CheckpointCorruptedError):

@@ -30,9 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +43,7 @@ from ..format.manifest import Entry, Manifest, Marker
 from ..format.tree import JsonNode
 from ..plan.reshard import Piece, PieceRead, plan_box
 from ..tiers.base import Tier
-from .catalog import READERS, MissingManifestError, ShardFiles, read_manifest, read_marker
+from .catalog import READERS, MissingManifestError, ShardFiles, in_order, read_manifest, read_marker
 
 __all__ = [
     "LastBlocks",
@@ -474,29 +472,17 @@ def _scratch(n: int) -> torch.Tensor:
 
 
 def _run_parallel(jobs: Sequence[_Job]) -> None:
-    """`_run_job` of every job on `READERS` threads, at most `_JOBS_AHEAD` submitted and not
-    yet done (each thread's buffer, the size of its largest read, ends with the pool); the
+    """`_run_job` of every job on `READERS` threads (`catalog.in_order`), at most twice as many
+    submitted and not yet done (each thread's buffer, the size of its largest read, ends with the pool); the
     first failure in plan order is raised here, after what had not started is cancelled and
     what had has ended, so no thread writes into the template afterwards. The jobs'
     destinations are disjoint (`plan_box`), so their copies need no lock."""
-    out: deque[Future[None]] = deque()
-    pool = ThreadPoolExecutor(READERS, thread_name_prefix="tiercheck-reshard")
-    try:
-        for job in jobs:
-            if len(out) >= _JOBS_AHEAD:
-                out.popleft().result()
-            out.append(pool.submit(_run_job, job))
-        while out:
-            out.popleft().result()
-    finally:
-        for fut in out:
-            fut.cancel()
-        pool.shutdown(wait=True)
+    for _ in in_order(_run_job, ((job,) for job in jobs), READERS, "tiercheck-reshard"):
+        pass
 
 
 _SCRATCH = threading.local()  # each reader thread's buffer (`_scratch`)
 _JOB_BYTES = 4 << 20  # bytes of blocks one job reads straight into the template, about
-_JOBS_AHEAD = 2 * READERS  # jobs submitted and not yet done, at most
 
 
 def check_pieces_agree(pieces: Sequence[tuple[int, Entry]], e: Entry, where: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from .catalog import (
     ReplicaResolver,
     ShardFiles,
     first_present_manifest,
+    in_order,
     list_committed,
     read_manifest,
     read_marker_and_guess,
@@ -933,28 +933,15 @@ def _read_large_parallel(
     for r in reads:
         piece = _PIECE if algorithm == "crc32c" else r.entry.length
         todo += [(r, pos, min(piece, r.entry.length - pos)) for pos in range(0, r.entry.length, piece)]
-    out: deque[tuple[_Read, int, Future[str]]] = deque()
-    digests: dict[int, list[tuple[int, str]]] = {}
-    pool = ThreadPoolExecutor(_READERS, thread_name_prefix="tiercheck-read")
-    try:
-        for i in range(len(todo) + 1):
-            if i < len(todo):
-                r, pos, n = todo[i]
-                dest = _writable(r.dest)[pos : pos + n]
-                fut = pool.submit(_read_hashed, files, r.entry.file, r.entry.offset + pos, dest, algorithm)
-                out.append((r, n, fut))
-            while out and (len(out) > _READS_AHEAD or i == len(todo)):
-                r, n, fut = out.popleft()
-                parts = digests.setdefault(id(r), [])
-                parts.append((n, fut.result()))
-                if sum(k for k, _ in parts) == r.entry.length:
-                    checked.append((r.entry, _joined(parts)))
-                    del digests[id(r)]
-                yield n
-    finally:
-        for _, _, fut in out:
-            fut.cancel()
-        pool.shutdown(wait=True)  # no read may still write into the template
+    calls = ((files, r.entry.file, r.entry.offset + p, _writable(r.dest)[p : p + n], algorithm) for r, p, n in todo)
+    parts: list[tuple[int, str]] = []  # (bytes, digest) of the entry's pieces so far
+    # the reads first: their generator ends (its pool joined) before zip looks at `todo` again
+    for digest, (r, pos, n) in zip(in_order(_read_hashed, calls, _READERS, "tiercheck-read"), todo, strict=True):
+        parts.append((n, digest))
+        if pos + n == r.entry.length:  # its last piece (pieces come in order)
+            checked.append((r.entry, _joined(parts)))
+            parts = []
+        yield n
 
 
 def _read_hashed(files: ShardFiles, name: str, offset: int, dest: memoryview, algorithm: str) -> str:
@@ -969,13 +956,14 @@ def _read_hashed(files: ShardFiles, name: str, offset: int, dest: memoryview, al
 def _joined(parts: list[tuple[int, str]]) -> str:
     """The digest of an entry from its pieces' (length, digest), in order (one piece: its
     digest; several: CRC-32C only)."""
+    if len(parts) == 1:
+        return parts[0][1]
     crc = int(parts[0][1], 16)
     for n, digest in parts[1:]:
         crc = crc32c_combine(crc, int(digest, 16), n)
-    return parts[0][1] if len(parts) == 1 else f"{crc:08x}"
+    return f"{crc:08x}"
 
 
-_READS_AHEAD = 2 * _READERS  # pieces being read at once, at most
 _PIECE = 64 << 20  # bytes of an entry one thread reads and hashes (CRC-32C: pieces combined)
 _HASH_CHUNK = 2 << 20  # bytes read, then hashed while in cache
 
