@@ -41,7 +41,7 @@ _NODE_TYPES = frozenset(
     {"dict", "list", "tuple", "none", "bool", "int", "float", "str", "tensor", "ndarray",
      "npscalar", "bytes", "stateful", "replica"}
 )  # fmt: skip
-_LEAF_NODE_TYPES = frozenset({"tensor", "ndarray", "npscalar", "bytes"})
+LEAF_NODE_TYPES = frozenset({"tensor", "ndarray", "npscalar", "bytes"})  # tree nodes that name an entry
 _MAX_INT_DIGITS = 4300  # Python's default int-from-str limit
 MAX_METRIC_NAME = 256
 
@@ -324,7 +324,7 @@ def _compacting_hook() -> Callable[[dict[str, Any]], object]:
         if name is None:
             return _UNRECOGNISED
         obj["t"] = t = name
-        if t in _LEAF_NODE_TYPES:  # first: a large state's nodes are mostly leaves
+        if t in LEAF_NODE_TYPES:  # first: a large state's nodes are mostly leaves
             return obj if type(obj.get("e")) is int else _UNRECOGNISED
         v, n = obj.get("v"), len(obj)
         if t == "none":
@@ -827,7 +827,7 @@ def _check_tree(node: object, entries: tuple[Entry, ...], where: str, depth: int
     t = node["t"]
     if t == "replica" and depth != 1:  # only a top-level value may live in another rank's part
         raise _fail(where, "a replica node below the top level")
-    if t in _LEAF_NODE_TYPES:
+    if t in LEAF_NODE_TYPES:
         e = node.get("e")
         if type(e) is not int or not 0 <= e < len(entries) or entries[e].kind != t:
             raise _fail(where, f"tree refers to a bad entry {e!r}")
@@ -875,7 +875,7 @@ def _check_children(nodes: list[Any], entries: tuple[Entry, ...], where: str, de
     for node in nodes:
         if type(node) is dict and depth <= MAX_DEPTH:
             t, e = node.get("t"), node.get("e")
-            if type(t) is str and t in _LEAF_NODE_TYPES and type(e) is int and 0 <= e < n and entries[e].kind == t:
+            if type(t) is str and t in LEAF_NODE_TYPES and type(e) is int and 0 <= e < n and entries[e].kind == t:
                 continue
         _check_tree(node, entries, where, depth)
 

@@ -21,7 +21,7 @@ import torch
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError, StepPrunedError
 from ..format.checksum import checksum_function, checksum_stream, crc32c_combine
 from ..format.dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
-from ..format.manifest import Entry, Manifest, collector_paused, decode_key
+from ..format.manifest import LEAF_NODE_TYPES, Entry, Manifest, collector_paused, decode_key
 from ..format.tree import ROOT, JsonNode, decode_plain, key_path
 from ..job.agreement import RestoreAgreement
 from ..observe.events import report_missing_keys
@@ -47,7 +47,6 @@ _Target = Union[torch.Tensor, "np.ndarray[Any, Any]"]
 _CPU = torch.device("cpu")
 _Memory = tuple[tuple[object, ...], int]  # (identity of a template tensor's memory, its byte span)
 _MISSING = object()
-_LEAF_NODES = frozenset({"tensor", "ndarray", "npscalar", "bytes"})
 
 
 @dataclass(slots=True)
@@ -110,7 +109,7 @@ class _Binder:
 
     def bind(self, tmpl: object, node: JsonNode, path: str, mode: _Mode) -> Producer:
         t = node["t"]
-        if t in _LEAF_NODES:  # first: a large state is mostly leaves
+        if t in LEAF_NODE_TYPES:  # first: a large state is mostly leaves
             e = self.entries[node["e"]]
             if e.dtensor is not None and self.resharder is not None and self.resharder.wants(tmpl, e, self.own):
                 return self.resharder.bind(tmpl, e, path, mode.fill)
@@ -279,7 +278,7 @@ class _Binder:
         """The read of a lent span that overlaps no other: into the template's own memory."""
         if lent.plain:  # `_into_tensor`, its checks made by `_lend_plain`
             assert isinstance(lent.tmpl, torch.Tensor)
-            self.reads.append(_Read(lent.entry, torch.flatten(lent.tmpl).view(torch.uint8)))
+            self.reads.append(_Read(lent.entry, _tensor_bytes(lent.tmpl)))
             lent.produce = None  # the template's tensor itself
         else:
             lent.produce = self._into(lent.tmpl, lent.entry)
