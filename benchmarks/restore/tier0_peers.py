@@ -323,26 +323,32 @@ def restore_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------- cost
 
 
-def cost_part(args: argparse.Namespace, scratch: Path, shm: Path) -> list[dict[str, Any]]:
+def one_job_rows(
+    mode: str, scratch: Path, shm: Path, spec: dict[str, Any], timeout: float, nodes: list[int]
+) -> list[dict[str, Any]]:
+    """Run one `mode` job in fresh directories (removed after) and return every rank's rows,
+    each with its rank and the rank's other results."""
     run_id = uuid.uuid4().hex[:8]
     root, mem = scratch / run_id, shm / run_id
+    spec = dict(spec, root=str(root), shm=str(mem), job_id=f"{mode}-{run_id}", coord=120.0)
+    try:
+        got = job(mode, spec, scratch, timeout, nodes=nodes)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(mem, ignore_errors=True)
+    return [dict(row, **{k: v for k, v in g.items() if k != "rows"}) for g in got for row in g["rows"]]
+
+
+def cost_part(args: argparse.Namespace, scratch: Path, shm: Path) -> list[dict[str, Any]]:
     spec = {
-        "root": str(root),
-        "shm": str(mem),
-        "job_id": f"cost-{run_id}",
         "mib": args.cost_mib,
         "tensors": args.tensors,
         "save_rate": None if args.save_rate is None else args.save_rate * MB,
         "repeats": args.cost_repeats,
         "warmup": 2,
-        "coord": 120.0,
     }
-    try:
-        got = job("cost", spec, scratch, args.cost_timeout, nodes=[int(n) for n in args.cost_nodes.split(",")])
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(mem, ignore_errors=True)
-    rows = [dict(row, rank=g["rank"]) for g in got for row in g["rows"]]
+    nodes = [int(n) for n in args.cost_nodes.split(",")]
+    rows = one_job_rows("cost", scratch, shm, spec, args.cost_timeout, nodes)
     for row in rows:
         print(
             f"  repeat {row['repeat']} rank {row['rank']} {row['method']:12s} stall {row['stall_s']:.3f} s "
@@ -398,12 +404,7 @@ LOST_METHODS = ("none", "tier1", "tier0", "tier0+peers")
 
 def lost_part(args: argparse.Namespace, scratch: Path, shm: Path) -> list[dict[str, Any]]:
     """Lost training time per save: 2 nodes of one training rank each (the worker's `lost`)."""
-    run_id = uuid.uuid4().hex[:8]
-    root, mem = scratch / run_id, shm / run_id
     spec = {
-        "root": str(root),
-        "shm": str(mem),
-        "job_id": f"lost-{run_id}",
         "width": args.lost_width,
         "depth": args.lost_depth,
         "batch": args.lost_batch,
@@ -412,14 +413,8 @@ def lost_part(args: argparse.Namespace, scratch: Path, shm: Path) -> list[dict[s
         "pre_steps": 6,
         "tail_steps": 3,
         "warmup": 1,
-        "coord": 120.0,
     }
-    try:
-        got = job("lost", spec, scratch, args.lost_timeout, nodes=[0, 1])
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(mem, ignore_errors=True)
-    rows = [dict(row, rank=g["rank"], state_bytes=g["state_bytes"]) for g in got for row in g["rows"]]
+    rows = one_job_rows("lost", scratch, shm, spec, args.lost_timeout, [0, 1])
     for row in rows:
         print(
             f"  repeat {row['repeat']} rank {row['rank']} {row['method']:12s} stall {row['stall_s']:.3f} s "
