@@ -661,7 +661,7 @@ def test_save_handle_done_wait_and_stats(make_ckpt, write_gate):
 
     stats = handle.stats
     assert stats.step == 1
-    assert stats.bytes == 2 * 4096  # two leaves, each padded to a 4 KiB block
+    assert stats.bytes == 4096  # 4,000 + 24 bytes, the second at 4,032 (64-byte packing), padded to 4 KiB
     assert stats.stall_s > 0
     assert stats.stage_s > 0
     assert stats.allocated is True

@@ -2,6 +2,7 @@
 
 * The writer's output for a fixed state (manifest, COMMIT, shard) must equal the files
   checked into tests/format/golden/v2/ byte for byte (v2-metrics/: a marker with metrics;
+  v2-aligned/: the layout before small entries were packed, read only;
   v2-dtensor/: DTensor entries, tests/format/test_dtensor_format.py). After an intended format change,
   regenerate them with ``TIERCHECK_REGEN_GOLDEN=1 pytest tests/format/test_format_golden.py``
   and review the diff (a change that old readers would misread needs a new version).
@@ -56,7 +57,8 @@ from tiercheck.plan.shards import plan_shard
 HERE = Path(__file__).resolve().parent
 GOLDEN_ROOT = HERE / "golden" / "v2"  # what the writer writes now
 V1_ROOT = HERE / "golden" / "v1"  # written by version-1 writers: must still read
-READ_ROOTS = pytest.mark.parametrize("root", [V1_ROOT, GOLDEN_ROOT], ids=["v1", "v2"])
+ALIGNED_ROOT = HERE / "golden" / "v2-aligned"  # version 2, every entry at 4096: must still read
+READ_ROOTS = pytest.mark.parametrize("root", [V1_ROOT, ALIGNED_ROOT, GOLDEN_ROOT], ids=["v1", "v2-aligned", "v2"])
 FORMAT_DOC = HERE.parents[1] / "docs" / "format.md"
 STEP = 1234
 STEP_DIR = naming.step_dir_name(STEP)
@@ -173,10 +175,10 @@ def test_golden_step_loads_to_the_expected_values(root: Path) -> None:
 
 
 def test_v2_differs_from_v1_only_in_the_version() -> None:
-    """Without DTensors a version-2 step is a version-1 step with `"version":2`: the shard is
-    the same bytes, the manifest and marker differ in that field (and the marker in the
-    manifest's checksum)."""
-    old, new = V1_ROOT / STEP_DIR, GOLDEN_ROOT / STEP_DIR
+    """Without DTensors a version-2 step of the aligned layout is a version-1 step with
+    `"version":2`: the shard is the same bytes, the manifest and marker differ in that field
+    (and the marker in the manifest's checksum)."""
+    old, new = V1_ROOT / STEP_DIR, ALIGNED_ROOT / STEP_DIR
     assert (old / SHARD).read_bytes() == (new / SHARD).read_bytes()
     v1 = (old / MANIFEST).read_bytes()
     assert (new / MANIFEST).read_bytes() == v1.replace(b'"version":1,', b'"version":2,', 1)
@@ -234,28 +236,36 @@ def test_golden_shard_decodes_with_an_independent_reader(root: Path) -> None:
     assert ref["checksum"] == f"{crc32c.crc32c(manifest_bytes):08x}"
     assert marker_bytes.endswith(b"}\n") and manifest_bytes.endswith(b"}\n")
 
-    # The shard: every entry 4096-aligned, the file padded to 4096, checksums cover entries.
+    # The shard: the file padded to 4096, checksums cover entries. Entries of the packed
+    # layout (v2/) start at a multiple of 64, or of 4096 from 64 KiB up; the earlier layout
+    # (v1/, v2-aligned/) put every entry at a multiple of 4096.
+    def alignment(length: int) -> int:
+        return 64 if root == GOLDEN_ROOT and length < 65536 else 4096
+
     (file,) = manifest["files"]
     assert (file["name"], file["length"]) == (SHARD, len(shard))
     assert len(shard) % 4096 == 0
     entries = {e["path"]: e for e in manifest["entries"]}
     covered = set()
     for e in manifest["entries"]:
-        assert e["offset"] % 4096 == 0, e
+        assert e["offset"] % alignment(e["length"]) == 0, e
         data = shard[e["offset"] : e["offset"] + e["length"]]
         assert len(data) == e["length"]
         assert e["checksum"] == f"{crc32c.crc32c(data):08x}", e["path"]
         covered.update(range(e["offset"], e["offset"] + e["length"]))
-    # Non-aliased entries are laid out in order, each at the next boundary.
+    # Non-aliased entries are laid out in order, each at the next boundary of its alignment.
     cursor, seen = 0, {}
     for e in manifest["entries"]:
         key = (e["offset"], e["length"], e["checksum"])
         if e["length"] and key in seen:
             continue  # an alias: same bytes as an earlier entry
-        assert e["offset"] == cursor, e["path"]
+        a = alignment(e["length"])
+        assert e["offset"] == (cursor + a - 1) // a * a, e["path"]
         seen[key] = e["path"]
-        cursor = (cursor + e["length"] + 4095) // 4096 * 4096
-    assert cursor == len(shard)
+        cursor = e["offset"] + e["length"]
+    assert (cursor + 4095) // 4096 * 4096 == len(shard)
+    if root == GOLDEN_ROOT:
+        assert len(shard) == 4096  # packed: every entry of this state in one page
 
     def raw(path: str) -> bytes:
         e = entries[path]
@@ -358,7 +368,7 @@ def test_format_doc_examples_are_what_the_writer_produces(tmp_path: Path) -> Non
     manifest_example, marker_example = _doc_examples()
     assert json.loads(manifest_example) == json.loads((step_dir / MANIFEST).read_bytes())
     assert (marker_example.strip() + "\n").encode() == (step_dir / COMMIT).read_bytes()
-    assert (step_dir / SHARD).stat().st_size == 8192
+    assert (step_dir / SHARD).stat().st_size == 4096
 
 
 @pytest.fixture(scope="module")

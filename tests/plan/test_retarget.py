@@ -45,12 +45,12 @@ def test_a_key_uploaded_by_another_rank_becomes_a_replica_and_the_rest_is_packed
     # 'shard' and the tied 'ema' keep their bytes (and checksums); model.b is gone.
     assert [(e.path, e.offset, e.length, e.checksum) for e in m.entries] == [
         ("state['shard']", 0, 7, "03"),
-        ("state['ema']", 4096, 5000, "01"),
-        ("state['empty']", 12288, 0, "00"),
+        ("state['ema']", 64, 5000, "01"),  # packed: entries under 64 KiB at 64-byte boundaries
+        ("state['empty']", 5120, 0, "00"),
     ]
     assert [v.get("e") for v in m.tree["v"][1:]] == [0, 1, 2]
-    assert moved.regions == ((12288, 0, 7), (0, 4096, 5000))
-    assert moved.length == 12288 == m.files[0].length
+    assert moved.regions == ((12288, 0, 7), (0, 64, 5000))
+    assert moved.length == 8192 == m.files[0].length  # the file padded to 4096
     assert decode_manifest(encode_manifest(m), "x") == m  # still a valid manifest
 
 
@@ -60,8 +60,8 @@ def test_region_chunks_build_the_packed_shard() -> None:
     assert moved is not None
     new = b"".join(bytes(c) for c in region_chunks(lambda o, n: old[o : o + n], moved.regions, moved.length, 1000))
     assert len(new) == moved.length
-    assert new[0:7] == old[12288 : 12288 + 7] and new[4096 : 4096 + 5000] == old[0:5000]
-    assert new[7:4096] == bytes(4096 - 7)
+    assert new[0:7] == old[12288 : 12288 + 7] and new[64 : 64 + 5000] == old[0:5000]
+    assert new[7:64] == bytes(64 - 7) and new[5064:] == bytes(8192 - 5064)
 
 
 def test_unchanged_part_is_not_rewritten_and_a_missing_key_is_refused() -> None:

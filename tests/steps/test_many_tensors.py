@@ -354,10 +354,10 @@ def test_a_corrupted_small_leaf_is_named(tmp_path: Path) -> None:
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
         ckpt.save(1, state).wait()
     (shard,) = list(tmp_path.rglob(naming.shard_name(0, 1)))
-    with open(shard, "r+b") as f:  # leaf i at i * 4096 (each leaf fits one aligned block)
-        f.seek(321 * 4096 + 5)
+    with open(shard, "r+b") as f:  # leaf i at i * 256 (256-byte leaves, packed)
+        f.seek(321 * 256 + 5)
         byte = f.read(1)
-        f.seek(321 * 4096 + 5)
+        f.seek(321 * 256 + 5)
         f.write(bytes([byte[0] ^ 0x40]))
     target = {k: torch.zeros(64) for k in state}
     with (
@@ -454,10 +454,10 @@ def test_a_damaged_run_never_reaches_the_template(tmp_path: Path) -> None:
     with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
         ckpt.save(1, state).wait()
     (shard,) = list(tmp_path.rglob(naming.shard_name(0, 1)))
-    with open(shard, "r+b") as f:  # leaf i at i * 4096
-        f.seek(321 * 4096 + 5)
+    with open(shard, "r+b") as f:  # leaf i at i * 256 (256-byte leaves, packed)
+        f.seek(321 * 256 + 5)
         byte = f.read(1)
-        f.seek(321 * 4096 + 5)
+        f.seek(321 * 256 + 5)
         f.write(bytes([byte[0] ^ 0x40]))
     target = {k: torch.full((64,), -1.0) for k in state}
     with tiercheck.Checkpointer(local=tmp_path) as ckpt, pytest.raises(tiercheck.CheckpointCorruptedError):

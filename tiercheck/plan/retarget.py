@@ -4,7 +4,8 @@ With a node-local tier 1, every node keeps its own copy of the replicated keys (
 node restores from its own disk), but tier 2 must hold them once. Uploading a part then
 means: point each replicated key at the rank that uploads it (a `replica` node), drop the
 entries only those keys used, and lay the remaining entries out again, packed, in the same
-order. Checksums stay valid: they cover each entry's bytes, which do not change.
+order (the writer's placement rule, `shards.entry_offset`). Checksums stay valid: they cover
+each entry's bytes, which do not change.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from ..format.manifest import Entry, Manifest, ShardFile
 from ..format.tree import JsonNode
-from .shards import align_up
+from .shards import align_up, entry_offset
 
 Key = tuple[str, str]
 
@@ -63,14 +64,16 @@ def retarget(m: Manifest, owners: Mapping[Key, int]) -> Retargeted | None:
         if e.length and (e.offset, e.length) in placed:
             entries.append(dataclasses.replace(e, offset=placed[(e.offset, e.length)]))
             continue
-        entries.append(dataclasses.replace(e, offset=cursor))
+        offset = entry_offset(cursor, e.length)
+        entries.append(dataclasses.replace(e, offset=offset))
         if e.length:
-            placed[(e.offset, e.length)] = cursor
-            regions.append((e.offset, cursor, e.length))
-        cursor = align_up(cursor + e.length)
-    shard = ShardFile(m.files[0].name, cursor)
+            placed[(e.offset, e.length)] = offset
+            regions.append((e.offset, offset, e.length))
+        cursor = offset + e.length
+    length = align_up(cursor)
+    shard = ShardFile(m.files[0].name, length)
     manifest = dataclasses.replace(m, files=(shard,), entries=tuple(entries), tree=_renumber(new_tree, renumber))
-    return Retargeted(manifest, tuple(regions), cursor)
+    return Retargeted(manifest, tuple(regions), length)
 
 
 def _entry_refs(node: JsonNode) -> Iterator[int]:
