@@ -3,7 +3,7 @@
 A tier root holds one directory per step::
 
     step-000000000120/
-        rank-00000-of-00001.shard          raw tensor bytes, 4 KiB-aligned entries
+        rank-00000-of-00001.shard          raw tensor bytes, entries packed (64 B; 4 KiB from 64 KiB)
         rank-00000-of-00001.manifest.json  JSON manifest of that rank's leaves
         COMMIT                             commit marker, written last
     .tiercheck-tmp-step-000000000125-r00000-<token>/   local tier: a step being written
