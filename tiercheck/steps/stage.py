@@ -29,7 +29,7 @@ from ..format.tree import Leaf
 from ..observe.events import logger
 from ..plan.shards import ALIGNMENT, ShardPlan
 from ..state.flatten import FlatState
-from ..tiers.memory import SharedMemoryTier, ShmBuffer, space_free
+from ..tiers.memory import SharedMemoryTier, ShmBuffer, mapped, space_free
 
 
 class HostBuffer:
@@ -51,8 +51,7 @@ class HostBuffer:
             # cudaHostAlloc memory is page-aligned, usable for O_DIRECT writes.
             self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
         else:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            self._mmap = mmap.mmap(-1, max(nbytes, ALIGNMENT), flags=flags)
+            self._mmap = mapped(-1, max(nbytes, ALIGNMENT), mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.array: np.ndarray[Any, np.dtype[np.uint8]] = self.tensor.numpy()
         self.aligned = self.tensor.data_ptr() % ALIGNMENT == 0

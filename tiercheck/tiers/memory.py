@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..format import naming
@@ -121,7 +122,7 @@ class ShmBuffer:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes)  # ENOSPC here, not SIGBUS in a copy
-            self.map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self.map = mapped(fd, nbytes, mmap.MAP_SHARED)
         except BaseException:
             close_quietly(fd)
             with contextlib.suppress(OSError):
@@ -399,6 +400,42 @@ class _MemoryStepWriter(_LocalStepWriter):
             if os.path.dirname(buf.path) in (self._tmp, self._mem.path_of(self._step)):
                 self._mem.take_back(buf)
         super().abort()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault every page of a range in, writable
+_madvise: Any = None
+
+
+def mapped(fd: int, nbytes: int, flags: int) -> mmap.mmap:
+    """``mmap.mmap(fd, nbytes, flags=flags)`` (``fd`` -1: anonymous) with every page faulted
+    in for writing, as ``MAP_POPULATE`` would, without holding the GIL meanwhile.
+
+    CPython's ``mmap.mmap`` keeps the GIL through the ``mmap`` call, and with ``MAP_POPULATE``
+    that call is the whole population: 80 ms for 192 MiB of shared memory on the 2-core
+    test machine, during which every other thread of the process waited (a copy from another
+    node received into a new buffer on a background thread stopped training's thread for
+    that long; docs/performance.md, "Tier 0"). The mapping is made without it, then populated
+    by ``madvise(MADV_POPULATE_WRITE)`` called through ctypes, which releases the GIL around
+    a foreign call. A kernel without that advice (before 5.14) leaves the pages to fault in
+    at first touch, in whichever copy first writes them (a torch copy or a receive, both
+    outside the GIL)."""
+    m = mmap.mmap(fd, nbytes, flags=flags)
+    global _madvise
+    if _madvise is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _madvise = fn
+    view = memoryview(m)
+    try:
+        address = address_of(view)
+    finally:
+        view.release()
+    _madvise(address, nbytes, _MADV_POPULATE_WRITE)  # -1 (EINVAL: an older kernel): faulted in on use
+    return m
 
 
 def address_of(data: memoryview) -> int:
