@@ -3,7 +3,7 @@ CPU: 4 ranks on 2 simulated nodes (`restore/tier0_peers_worker.py` is one rank; 
 a set of rank processes with a shared-memory directory and a tier-1 directory of its own,
 as in `tests/procs/test_tier0_multirank.py`).
 
-    python benchmarks/restore/tier0_peers.py [--part restore|cost|all] [--mib 256]
+    python benchmarks/restore/tier0_peers.py [--part restore|cost|lost|all] [--mib 256]
         [--rates 50,200,none] [--repeats 3] [--cost-mib 256] [--cost-repeats 7]
 
 ``--part restore``: per repeat and rate R (rates in an order rotated between repeats), a job
@@ -23,6 +23,15 @@ together on every rank and waited for until idle: no tier 0, ``memory=True,
 memory_peers=0``, ``memory=True, memory_peers=1``. Save stall, time to tier 0, time to
 durable (committed on tier 1), time until idle (the copy to the peer included), CPU seconds
 per save; ratios to no tier 0 and between the two tier-0 settings, of medians and paired.
+
+``--part lost``: lost training time per save, 2 simulated nodes of one training rank each
+(an MLP + Adam state, ``--lost-width``/``--lost-depth``, 192 MiB by default), no save / tier 1
+only / tier 0 / tier 0 with ``memory_peers=1`` rotated, each save started at the same step on
+both ranks; lost = the window until the Checkpointer is idle (copies done) plus a few steps,
+minus as many clean steps. By default each rank trains on the CPU (every core of this
+machine trains, so any CPU the copies take is taken from training); ``--lost-device-ms D``
+models a GPU node instead: each step is a small host step (about a millisecond of Python and
+launches) and then the host blocked for D ms, as in a blocking device synchronisation.
 
 Every run is bounded (``--budget-s``: no new repeat starts past it; each job has a
 timeout) and removes its temp dirs in /dev/shm and on disk, also on an error or SIGTERM.
@@ -413,6 +422,7 @@ def lost_part(args: argparse.Namespace, scratch: Path, shm: Path) -> list[dict[s
         "pre_steps": 6,
         "tail_steps": 3,
         "warmup": 1,
+        "device_ms": args.lost_device_ms,
     }
     rows = one_job_rows("lost", scratch, shm, spec, args.lost_timeout, [0, 1])
     for row in rows:
@@ -438,8 +448,13 @@ def lost_report(rows: list[dict[str, Any]]) -> str:
     mib = rows[0]["state_bytes"] / MIB if rows else 0
     keys = ("lost_s", "stall_s", "idle_s", "extra_cpu_s", "base_step_s")
     lines = [
-        f"state {mib:.0f} MiB per rank (MLP + Adam), 2 nodes x 1 rank, one training thread each; "
-        "medians [min-max] over ranks x repeats",
+        f"state {mib:.0f} MiB per rank (MLP + Adam), 2 nodes x 1 rank, one training thread each"
+        + (
+            f" (a GPU node's step modelled: host work, then {rows[0]['device_ms']:g} ms blocked)"
+            if rows and rows[0].get("device_ms")
+            else ""
+        )
+        + "; medians [min-max] over ranks x repeats",
         "",
         "| | lost s/save | stall s | idle (copies done) s | extra CPU s | baseline step s |",
         "|---|---:|---:|---:|---:|---:|",
@@ -482,6 +497,12 @@ def main() -> None:
     ap.add_argument("--lost-depth", type=int, default=4, help="MLP layers (lost): 4 x 2048^2 params + Adam = 192 MiB")
     ap.add_argument("--lost-batch", type=int, default=64)
     ap.add_argument("--lost-repeats", type=int, default=7)
+    ap.add_argument(
+        "--lost-device-ms",
+        type=float,
+        default=0.0,
+        help="lost: model a GPU node, each step a small host step then the host blocked this long (0: CPU training)",
+    )
     ap.add_argument("--lost-timeout", type=float, default=900.0)
     ap.add_argument("--budget-s", type=float, default=240.0, help="no restore repeat starts after this")
     ap.add_argument("--scratch", default=None, help="parent of the tier-1 temp dir (default: the system's)")

@@ -299,7 +299,14 @@ def lost() -> None:
     before it, so the collective saves and the copies pair up), and the training goes on
     until the Checkpointer is idle (copies to the peer included) plus `tail` steps. Lost =
     window time - window steps x the median clean step before the save; `none` (no save)
-    is the noise floor. The state is `{"model": model, "optim": opt}`."""
+    is the noise floor. The state is `{"model": model, "optim": opt}`.
+
+    With `SPEC["device_ms"]` > 0 the training models a GPU node instead of CPU training:
+    each step is the host's share of a GPU step (a step of a small MLP, `host` below: the
+    Python and launch work, about a millisecond) and then the host blocked for `device_ms`
+    while the device computes (a sleep, as a blocking device synchronisation leaves the
+    core and the GIL free). The saved state (the large model and its Adam moments) is the
+    same; it is not updated by these steps, which changes nothing a save costs."""
     import torch.nn as nn
 
     torch.manual_seed(rank)
@@ -307,9 +314,23 @@ def lost() -> None:
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-5, foreach=True)
     x = torch.randn(SPEC["batch"], width)
+    device_s = SPEC.get("device_ms", 0) / 1e3
+    host = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    host_opt = torch.optim.Adam(host.parameters(), lr=1e-5, foreach=True)
+    hx = torch.randn(8, 64)
+    if device_s > 0:  # the large model's moments exist, as after a real step
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
 
     def train_step() -> tuple[float, float]:
         t0 = time.perf_counter()
+        if device_s > 0:
+            host_opt.zero_grad(set_to_none=True)
+            host(hx).square().mean().backward()
+            host_opt.step()
+            time.sleep(device_s)
+            return t0, time.perf_counter()
         opt.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
@@ -370,6 +391,7 @@ def lost() -> None:
                         "window_steps": len(window),
                         "base_step_s": base,
                         "extra_cpu_s": cpu_s() - c0 - len(window) * base_cpu,
+                        "device_ms": SPEC.get("device_ms", 0),
                     }
                 )
     dist.barrier()
