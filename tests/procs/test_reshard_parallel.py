@@ -171,6 +171,49 @@ def test_a_damaged_block_read_in_parallel_is_refused_and_tier2_used(
     assert exact(template["model"]) == dict.fromkeys(global_tensors(), True)
 
 
+def test_saved_manifests_are_read_on_manifest_threads_once_each(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At another world size a rank reads every saved rank's manifest (from an object store,
+    a request each): they are read on `MANIFEST_READERS` threads, each once, each tier's
+    marker once."""
+    monkeypatch.setattr(reshard, "MANIFEST_READERS", 3)
+    manifests: list[tuple[int, str]] = []
+    markers: list[str] = []
+    real_manifest, real_marker = reshard.read_manifest, reshard.read_marker
+
+    def spy_manifest(tier, step, rank, marker):  # type: ignore[no-untyped-def]
+        manifests.append((rank, threading.current_thread().name))
+        return real_manifest(tier, step, rank, marker)
+
+    def spy_marker(tier, step):  # type: ignore[no-untyped-def]
+        markers.append(tier.name)
+        return real_marker(tier, step)
+
+    monkeypatch.setattr(reshard, "read_manifest", spy_manifest)
+    monkeypatch.setattr(reshard, "read_marker", spy_marker)
+    loaded = tiercheck.load(str(saved / "ckpt"))
+    assert exact(loaded["model"]) == dict.fromkeys(global_tensors(), True)
+    assert sorted(r for r, _ in manifests) == list(range(WORLD))
+    assert all(name.startswith("tiercheck-manifests") for _, name in manifests), manifests
+    assert markers == []  # the caller's marker is the first tier's: read before, not again
+
+
+def test_a_damaged_saved_manifest_read_in_parallel_is_named(saved: Path, tmp_path: Path) -> None:
+    """A saved rank's manifest that does not match the marker fails the read as a serial read
+    would: the first failure in rank order, naming that manifest."""
+    root = copy_of(saved, tmp_path)
+    step_dir = root / "ckpt" / naming.step_dir_name(3)
+    for rank in (2, 3):
+        path = step_dir / naming.manifest_name(rank, WORLD)
+        data = bytearray(path.read_bytes())
+        data[40] ^= 0x01
+        path.write_bytes(bytes(data))
+    with (
+        pytest.raises(tiercheck.CheckpointCorruptedError, match=naming.manifest_name(2, WORLD)),
+        pytest.warns(RuntimeWarning),
+    ):
+        tiercheck.load(str(root / "ckpt"))
+
+
 def test_the_plan_refuses_pieces_that_overlap_and_leave_a_hole() -> None:
     # global 2x2, target the first row: two saved boxes meet it in the same element, the
     # other element is in none: the volumes add up, the cover does not.

@@ -57,6 +57,8 @@ __all__ = [
 
 Producer = Callable[[], object]
 
+MANIFEST_READERS = 8  # threads reading the saved ranks' manifests at once (`Resharder.sources`)
+
 
 def template_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor] | None:
     """(offsets, sizes, local piece) of a DTensor template; None for any other tensor."""
@@ -107,24 +109,46 @@ class Resharder:
 
     def sources(self) -> dict[int, _Source]:
         """Every saved rank's part, each from the first tier that holds it (verified against
-        that tier's own marker: a tier-2 part may differ from the tier-1 one)."""
+        that tier's own marker: a tier-2 part may differ from the tier-1 one).
+
+        The manifests are read on up to `MANIFEST_READERS` threads: from an object store each
+        is a request of tens of milliseconds, and a new rank reads all W of them (at W = 1,000
+        one after another, ~30 s). Each tier's marker is read once. The first failure, in
+        rank order, is raised as a serial read would raise it."""
         if self._sources is None:
-            found: dict[int, _Source] = {}
-            markers: dict[int, Marker] = {0: self.marker}
-            for r in range(self.marker.world_size):
+            markers: dict[int, Marker | None] = {0: self.marker}
+            lock = threading.Lock()
+
+            def marker_of(i: int) -> Marker | None:
+                with lock:  # each tier's marker once, whichever rank asks first
+                    if i not in markers:
+                        try:
+                            markers[i] = read_marker(self._tiers[i], self.step)
+                        except (NoCheckpointError, FileNotFoundError):
+                            markers[i] = None  # this tier does not hold the step
+                    return markers[i]
+
+            def find(r: int) -> _Source:
                 for i, tier in enumerate(self._tiers):
+                    marker = marker_of(i)
+                    if marker is None:
+                        continue
                     try:
-                        if i not in markers:
-                            markers[i] = read_marker(tier, self.step)
-                        found[r] = _Source(tier, read_manifest(tier, self.step, r, markers[i]))
-                        break
+                        return _Source(tier, read_manifest(tier, self.step, r, marker))
                     except (MissingManifestError, NoCheckpointError, FileNotFoundError):
                         continue
-                else:
-                    raise CheckpointCorruptedError(
-                        f"step {self.step}: no tier of this rank holds saved rank {r}'s part "
-                        f"({', '.join(f'{t.name}={t.location}' for t in self._tiers)})"
-                    )
+                raise CheckpointCorruptedError(
+                    f"step {self.step}: no tier of this rank holds saved rank {r}'s part "
+                    f"({', '.join(f'{t.name}={t.location}' for t in self._tiers)})"
+                )
+
+            ranks = range(self.marker.world_size)
+            threads = min(MANIFEST_READERS, len(ranks))
+            if threads > 1:
+                read = in_order(find, ((r,) for r in ranks), threads, "tiercheck-manifests")
+                found = dict(zip(ranks, read, strict=True))
+            else:
+                found = {r: find(r) for r in ranks}
             self._sources = found
         return self._sources
 
