@@ -101,3 +101,99 @@ def test_writer_and_checksums_start_only_after_the_whole_copy(tmp_path: Path, mo
             v.zero_()
         assert ckpt.restore(state) == 1
     assert all(torch.equal(state[k], expected[k]) for k in state)
+
+
+def test_a_held_progress_lets_nothing_through_until_released() -> None:
+    """`save()` holds its step's progress until it returns: the copy's end alone does not wake
+    the writer; a copy that failed wakes it with the failure, held or not."""
+    progress = staging.StageProgress(held=True)
+    progress.advance(100)
+    woke = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            progress.wait(100)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            errors.append(exc)
+        woke.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    assert not woke.wait(0.2)  # copied, not released: the writer still waits
+    progress.release()
+    assert woke.wait(60)
+    t.join(60)
+    assert errors == []
+    failed = staging.StageProgress(held=True)
+    failed.fail()
+    with pytest.raises(staging.StagingAborted):
+        failed.wait(1)
+
+
+def test_the_writer_builds_no_manifest_while_save_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's Python (the manifest of every leaf) waits until `save()` returns: begun
+    beside the end of `save()`, it took the GIL from it (0.1 to 0.3 s more of stall at 20,000
+    leaves). Here the end of `save()` waits for the writer to build the manifest; it must not
+    see it built before it returns."""
+    from tiercheck.steps import write
+
+    built = threading.Event()
+    seen_in_save: list[bool] = []
+    real = write.shard_manifest
+
+    def spy(**kwargs: object) -> object:
+        built.set()
+        return real(**kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(write, "shard_manifest", spy)
+    state = {f"t{i}": torch.randn(1000) for i in range(50)}
+    with tiercheck.Checkpointer(local=str(tmp_path), run_log_interval=None) as ckpt:
+        ckpt.save(1, state).wait()
+        built.clear()
+        real_saved = ckpt._trigger.saved
+
+        def saved(step: int) -> None:  # the end of save(): give the writer every chance
+            seen_in_save.append(built.wait(1.0))
+            real_saved(step)
+
+        monkeypatch.setattr(ckpt._trigger, "saved", saved)
+        ckpt.save(2, state).wait()
+        assert built.is_set()
+    assert seen_in_save == [False]
+
+
+def test_collector_pauses_of_several_threads_nest() -> None:
+    """The collector is enabled again only when the last window closes, and only if it was
+    enabled when the first opened."""
+    import gc
+
+    from tiercheck.observe.collector import collector_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        a, b = collector_paused(), collector_paused()
+        a.__enter__()
+        assert not gc.isenabled()
+        opened, close = threading.Event(), threading.Event()
+
+        def other() -> None:
+            with b:
+                opened.set()
+                close.wait(60)
+
+        t = threading.Thread(target=other)
+        t.start()
+        assert opened.wait(60)
+        a.__exit__(None, None, None)
+        assert not gc.isenabled()  # the other thread's window is still open
+        close.set()
+        t.join(60)
+        assert gc.isenabled()
+        gc.disable()
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a program that disabled it keeps it disabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -56,6 +56,7 @@ class SaveStager:
         self._warned_unguarded = False
         self._guards: dict[int, tuple[weakref.ref[torch.optim.Optimizer], Any]] = {}
         self._pid = os.getpid()
+        self._held: StageProgress | None = None  # the last step's progress, until `release`
 
     def prepare(self, part: Part) -> None:
         """Allocate every host buffer for `part` (up to `host_buffers`: with tier 0 the
@@ -96,7 +97,7 @@ class SaveStager:
             plan=part.plan,
             buffer=buf,
             handle=handle,
-            progress=None if overlapped else StageProgress(),
+            progress=None if overlapped else StageProgress(held=True),
             replicated=part.replicated,
             remote_owners=part.remote_owners,
             metrics=metrics,
@@ -105,12 +106,20 @@ class SaveStager:
             self._stage_overlapped(job, flat)
         else:
             self._stage_now(job, flat)
+            self._held = job.progress
         stats = handle.stats
         stats.bytes = part.plan.total_bytes
         stats.allocated = self._pool.allocations != allocations
         stats.buffer_wait_s = t2 - t1
         stats.stage_s = time.perf_counter() - t2
         return handle
+
+    def release(self) -> None:
+        """The end of `save()`: the writer may go on with the step staged last (its progress
+        was held so that the writer's Python does not compete with the rest of `save()`)."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
 
     def _overlapped(self, flat: FlatState, overlap: bool | None) -> bool:
         """Whether this save defers the copy of optimizer-guarded tensors (`save(overlap=)`)."""

@@ -7,21 +7,20 @@ multiple of the bytes it was given (see `decode_manifest`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import itertools
 import json
 import math
 import operator
 import re
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
 from ..errors import CheckpointCorruptedError, UnsupportedStateError
+from ..observe.collector import collector_paused
 from . import naming
 from .checksum import DIGEST_WIDTH
 from .dtypes import itemsize
@@ -481,21 +480,6 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         return _decode_manifest(data, where)
 
 
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused: reading a manifest (and binding it, `steps/restore`)
-    allocates a few objects a leaf, enough to set off full collections, each traversing every
-    live object (a model's tensors): a third of the time of a restore of 20,000 tensors into a
-    template of as many (cProfile of benchmarks/many_tensors.py's state, issue 25). What they
-    allocate lives until they return, so a collection meanwhile would free nothing."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _decode_manifest(data: bytes, where: str) -> Manifest:

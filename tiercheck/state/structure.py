@@ -45,7 +45,6 @@ changes a dtype or converts a value.
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 
 from ..format.tree import JsonNode, encode_float
+from ..observe.collector import collector_paused
 from .flatten import FlatState, dtensor_local, flatten_traced, param_identity
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -459,13 +459,8 @@ def _without_gc(match: Callable[[object], FlatState | None], state: object) -> F
     which traverses every live tensor (0.4 s at 20,000 leaves, every other save, measured
     beside a model of 5,000 parameters). The check's objects die with the lists holding
     them, before the collector would see them, so the pause defers no work."""
-    if not gc.isenabled():
+    with collector_paused():
         return match(state)
-    gc.disable()
-    try:
-        return match(state)
-    finally:
-        gc.enable()
 
 
 def _build(state: Mapping[Any, Any], flat: FlatState, inner: list[Mapping[Any, Any]]) -> _Template | None:

@@ -21,9 +21,10 @@ import torch
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError, StepPrunedError
 from ..format.checksum import checksum_function, checksum_stream, crc32c_combine
 from ..format.dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
-from ..format.manifest import LEAF_NODE_TYPES, Entry, Manifest, collector_paused, decode_key
+from ..format.manifest import LEAF_NODE_TYPES, Entry, Manifest, decode_key
 from ..format.tree import ROOT, JsonNode, decode_plain, key_path
 from ..job.agreement import RestoreAgreement
+from ..observe.collector import collector_paused
 from ..observe.events import report_missing_keys
 from ..observe.progress import ProgressCallback, part_of
 from ..state.flatten import dtensor_local, is_stateful
