@@ -140,13 +140,13 @@ def test_the_writer_builds_no_manifest_while_save_runs(tmp_path: Path, monkeypat
 
     built = threading.Event()
     seen_in_save: list[bool] = []
-    real = write.shard_manifest
+    real = write.write_manifest
 
-    def spy(**kwargs: object) -> object:
+    def spy(*args: object, **kwargs: object) -> object:
         built.set()
-        return real(**kwargs)  # type: ignore[arg-type]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(write, "shard_manifest", spy)
+    monkeypatch.setattr(write, "write_manifest", spy)
     state = {f"t{i}": torch.randn(1000) for i in range(50)}
     with tiercheck.Checkpointer(local=str(tmp_path), run_log_interval=None) as ckpt:
         ckpt.save(1, state).wait()

@@ -160,24 +160,60 @@ def encode_manifest(m: Manifest) -> bytes:
     return data
 
 
-def _encode_manifest(m: Manifest) -> bytes:
-    entries = [
-        {
-            "path": e.path,
-            "kind": e.kind,
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "file": e.file,
-            "offset": e.offset,
-            "length": e.length,
-            "checksum": e.checksum,
-            "codec": e.codec,
-        }
-        for e in m.entries
-    ]
-    for doc_e, e in zip(entries, m.entries, strict=True):
-        if e.dtensor is not None:  # after "codec": only DTensor entries carry it
-            doc_e["dtensor"] = _dtensor_doc(e.dtensor)
+def encode_manifest_with(m: Manifest, entries_json: str) -> bytes:
+    """`encode_manifest` of `m` with its entries given as the text of their JSON array
+    (`m.entries` is not read): a writer that keeps each entry's text but its checksum
+    (`entry_json_parts`) encodes the manifest of a save of many leaves without building an
+    object a leaf. The bytes are those `encode_manifest` gives for the same entries.
+
+    Raises:
+        UnsupportedStateError: as `encode_manifest`.
+    """
+    text = _dump_text(_manifest_doc(m, []))
+    slot = '"entries":[]'
+    i = text.index(slot) + len('"entries":')  # fields before it are constants and shard names
+    data = (text[:i] + entries_json + text[i + 2 :]).encode()
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise UnsupportedStateError(
+            f"step {m.step}, rank {m.rank}: the manifest of this state would be {len(data)} bytes, "
+            f"over the format's limit of {MAX_MANIFEST_BYTES} bytes; save fewer, larger arrays per rank "
+            "(docs/format.md, Limits)"
+        )
+    return data
+
+
+def entry_json_parts(entries: Sequence[Entry]) -> list[tuple[str, str]]:
+    """Each entry's JSON text (as in the manifest's `entries` array) split around its checksum:
+    ``head + checksum + tail`` is the entry's text with that checksum. For entries without a
+    `dtensor` field (whose block digests change with the bytes too)."""
+    out = []
+    mark = '"checksum":""'
+    for e in entries:
+        assert e.dtensor is None and e.checksum == ""
+        text = _dump_text(_entry_doc(e))[:-1]
+        i = text.rindex(mark) + len(mark) - 1  # the fields after it are the codec's
+        out.append((text[:i], text[i:]))
+    return out
+
+
+def _entry_doc(e: Entry) -> dict[str, Any]:
+    doc = {
+        "path": e.path,
+        "kind": e.kind,
+        "dtype": e.dtype,
+        "shape": list(e.shape),
+        "file": e.file,
+        "offset": e.offset,
+        "length": e.length,
+        "checksum": e.checksum,
+        "codec": e.codec,
+    }
+    if e.dtensor is not None:  # after "codec": only DTensor entries carry it
+        doc["dtensor"] = _dtensor_doc(e.dtensor)
+    return doc
+
+
+def _manifest_doc(m: Manifest, entries: list[dict[str, Any]]) -> dict[str, Any]:
     doc = {
         "format": FORMAT,
         "version": VERSION,
@@ -192,7 +228,11 @@ def _encode_manifest(m: Manifest) -> bytes:
     }
     if m.replicated:  # absent when empty: single-rank manifests stay byte-identical
         doc["replicated"] = [list(k) for k in m.replicated]
-    return _dump(doc)
+    return doc
+
+
+def _encode_manifest(m: Manifest) -> bytes:
+    return _dump(_manifest_doc(m, [_entry_doc(e) for e in m.entries]))
 
 
 def _dtensor_doc(d: DTensorInfo) -> dict[str, Any]:
@@ -239,7 +279,11 @@ def _metric_node(v: Metric) -> dict[str, str]:
 
 
 def _dump(doc: dict[str, Any]) -> bytes:
-    return (json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
+    return _dump_text(doc).encode()
+
+
+def _dump_text(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n"
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -478,8 +522,6 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     """
     with collector_paused():
         return _decode_manifest(data, where)
-
-
 
 
 def _decode_manifest(data: bytes, where: str) -> Manifest:

@@ -13,11 +13,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from ..format import naming
-from ..format.manifest import Manifest, ShardFile, build_entries
+from ..format.manifest import Manifest, ShardFile, build_entries, entry_json_parts
 from ..format.tree import JsonNode, Leaf
 from .shards import ShardPlan
 
-__all__ = ["shard_manifest", "stored_as", "with_alias_sums"]
+__all__ = ["entry_texts", "shard_manifest", "shard_manifest_frame", "stored_as", "with_alias_sums"]
 
 
 def shard_manifest(
@@ -50,6 +50,40 @@ def shard_manifest(
         tree=tree,
         replicated=replicated,
     )
+
+
+def shard_manifest_frame(
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    checksum_algorithm: str,
+    plan: ShardPlan,
+    tree: JsonNode,
+    replicated: tuple[tuple[str, str], ...] = (),
+) -> Manifest:
+    """`shard_manifest` without its entries: what a writer that gives them as text
+    (`entry_texts`, `format.manifest.encode_manifest_with`) encodes around them."""
+    shard = naming.shard_name(rank, world_size)
+    return Manifest(
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        checksum_algorithm=checksum_algorithm,
+        files=(ShardFile(shard, plan.total_bytes),),
+        entries=(),
+        tree=tree,
+        replicated=replicated,
+    )
+
+
+def entry_texts(leaves: Sequence[Leaf], plan: ShardPlan, shard: str) -> list[tuple[str, str]] | None:
+    """Each entry's text in the manifest of `leaves` laid out by `plan` in `shard`, split
+    around its checksum (`format.manifest.entry_json_parts`); None if a leaf is a DTensor
+    (its block digests change with its bytes)."""
+    if any(leaf.dtensor is not None for leaf in leaves):
+        return None
+    return entry_json_parts(build_entries(leaves, plan.offsets, [""] * len(leaves), shard))
 
 
 def with_alias_sums(leaves: Sequence[Leaf], sums: Sequence[str]) -> list[str]:

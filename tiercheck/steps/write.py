@@ -11,6 +11,7 @@ may still run (`StageProgress`); the shard is written, and the leaves hashed, on
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from ..format.manifest import (
     Metric,
     assignment_digest,
     encode_manifest,
+    encode_manifest_with,
     encode_marker,
 )
 from ..format.tree import JsonNode, Leaf
@@ -32,7 +34,7 @@ from ..job.coordination import Membership, Solo
 from ..observe.collector import collector_paused
 from ..plan.retarget import Key, Retargeted, region_chunks, retarget
 from ..plan.shards import ShardPlan
-from ..plan.stepdoc import shard_manifest, stored_as, with_alias_sums
+from ..plan.stepdoc import entry_texts, shard_manifest, shard_manifest_frame, stored_as, with_alias_sums
 from ..tiers.base import StepWriter, Tier
 from .handle import SaveHandle
 from .stage import HostBuffer, StageProgress
@@ -146,15 +148,33 @@ def write_staged(
         # other save at 20,000 leaves (0.2 s, traversing every live tensor). `write_part`'s
         # two halves, the commit (which may wait for other ranks) after the window.
         with collector_paused():
-            doc = manifest_with(with_alias_sums(job.leaves, sums), blocks)
-            if moved is not None:
-                again = retarget(doc, owners)
-                assert again is not None and again.regions == moved.regions
-                doc = again.manifest
-                del again
+            parts = _entry_texts(job, shard) if moved is None else None
+            if parts is not None:  # the entries' texts kept from the last save: no object a leaf
+                texts = [
+                    head + ck + tail for (head, tail), ck in zip(parts, with_alias_sums(job.leaves, sums), strict=True)
+                ]
+                entries_json = "[" + ",".join(texts) + "]"
+                del texts
+                doc = shard_manifest_frame(
+                    step=job.step,
+                    rank=job.rank,
+                    world_size=job.world_size,
+                    checksum_algorithm=checksum_algorithm,
+                    plan=job.plan,
+                    tree=job.tree,
+                    replicated=job.replicated,
+                )
+            else:
+                entries_json = None
+                doc = manifest_with(with_alias_sums(job.leaves, sums), blocks)
+                if moved is not None:
+                    again = retarget(doc, owners)
+                    assert again is not None and again.regions == moved.regions
+                    doc = again.manifest
+                    del again
             assignment = assignment_digest(doc, owners_agree)
-            ref = write_manifest(writer, tier, doc, [stored])
-            del doc
+            ref = write_manifest(writer, tier, doc, [stored], entries_json=entries_json)
+            del doc, entries_json
         marker = Marker(job.step, job.world_size, checksum_algorithm, (), job.metrics)
         commit_step(group, tier, writer, job.step, ref, marker, assignment, reported)
     except BaseException as exc:
@@ -166,14 +186,24 @@ def write_staged(
 
 
 def write_manifest(
-    writer: StepWriter, tier: Tier, doc: Manifest, stored: Sequence[int], source: bytes | None = None
+    writer: StepWriter,
+    tier: Tier,
+    doc: Manifest,
+    stored: Sequence[int],
+    source: bytes | None = None,
+    *,
+    entries_json: str | None = None,
 ) -> ManifestRef:
     """Write the manifest of the part whose shard files `writer` stored (`stored`: the bytes
     stored per file of `doc.files`): `doc` as `tier` holds them (the builder's `stored_as`).
     `source`: `doc` as another tier encoded it (a copy), written unchanged when storing it
-    here changed nothing, so a copy keeps its source's bytes."""
+    here changed nothing, so a copy keeps its source's bytes. `entries_json`: the text of
+    the entries' array, `doc.entries` being empty (`encode_manifest_with`)."""
     held = stored_as(doc, tier.codec, stored)
-    data = source if source is not None and held == doc else encode_manifest(held)
+    if entries_json is not None:
+        data = encode_manifest_with(held, entries_json)
+    else:
+        data = source if source is not None and held == doc else encode_manifest(held)
     name = naming.manifest_name(doc.rank, doc.world_size)
     writer.write_file(name, memoryview(data))
     return ManifestRef(name, len(data), checksum_function(doc.checksum_algorithm)(data))
@@ -236,6 +266,28 @@ def write_regions(
     return writer.write_chunks(
         name, lambda: region_chunks(read, moved.regions, moved.length, REGION_BLOCK), moved.length, compress=True
     )
+
+
+# The entries' texts of the last part written (`_entry_texts`): one structure's worth, kept
+# while the structure cache gives the writers the same leaves and plan (tier 0 and tier 1
+# write the same job). At 20,000 leaves building and encoding an entry a leaf took 0.13 s of
+# the writer's 0.17 s a save, beside training.
+_texts_lock = threading.Lock()
+_texts: tuple[tuple[Leaf, ...], ShardPlan, str, list[tuple[str, str]] | None] | None = None
+
+
+def _entry_texts(job: StagedSave, shard: str) -> list[tuple[str, str]] | None:
+    """Each entry's text of `job`'s manifest but its checksum (`stepdoc.entry_texts`), from
+    the last save while the leaves and plan are the same objects."""
+    global _texts
+    with _texts_lock:
+        cached = _texts
+    if cached is not None and cached[0] is job.leaves and cached[1] is job.plan and cached[2] == shard:
+        return cached[3]
+    parts = entry_texts(job.leaves, job.plan, shard)
+    with _texts_lock:
+        _texts = (job.leaves, job.plan, shard, parts)
+    return parts
 
 
 CHECKSUM_BATCH = 4 << 20  # bytes of small leaves hashed per task
