@@ -57,12 +57,16 @@ class HostBuffer:
         self.aligned = self.tensor.data_ptr() % ALIGNMENT == 0
         # The views of the last structure copied into this buffer (`layout_for`).
         self.layout: tuple[tuple[object, ...], dict[bool | None, _Group]] | None = None
+        # The writer's texts of the manifest entries of the last structure written from it
+        # (`steps.write`: leaves, plan, shard name, the texts).
+        self.entry_texts: tuple[object, object, str, list[tuple[str, str]] | None] | None = None
 
     def view(self, nbytes: int) -> memoryview:
         return memoryview(self.array[:nbytes])  # type: ignore[arg-type]
 
     def free(self) -> None:
         self.layout = None  # its views keep the memory alive
+        self.entry_texts = None
         if self._registered:
             _host_unregister(self.tensor)
             self._registered = False

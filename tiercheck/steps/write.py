@@ -11,7 +11,6 @@ may still run (`StageProgress`); the shard is written, and the leaves hashed, on
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -268,25 +267,17 @@ def write_regions(
     )
 
 
-# The entries' texts of the last part written (`_entry_texts`): one structure's worth, kept
-# while the structure cache gives the writers the same leaves and plan (tier 0 and tier 1
-# write the same job). At 20,000 leaves building and encoding an entry a leaf took 0.13 s of
-# the writer's 0.17 s a save, beside training.
-_texts_lock = threading.Lock()
-_texts: tuple[tuple[Leaf, ...], ShardPlan, str, list[tuple[str, str]] | None] | None = None
-
-
 def _entry_texts(job: StagedSave, shard: str) -> list[tuple[str, str]] | None:
-    """Each entry's text of `job`'s manifest but its checksum (`stepdoc.entry_texts`), from
-    the last save while the leaves and plan are the same objects."""
-    global _texts
-    with _texts_lock:
-        cached = _texts
+    """Each entry's text of `job`'s manifest but its checksum (`stepdoc.entry_texts`), kept on
+    the host buffer from the last save written from it while the structure cache gives the
+    same leaves and plan (tier 0 and tier 1 write the same job; the pool frees it at close).
+    At 20,000 leaves building and encoding an entry a leaf took 0.13 s of the writer's
+    0.17 s a save, beside training."""
+    cached = job.buffer.entry_texts
     if cached is not None and cached[0] is job.leaves and cached[1] is job.plan and cached[2] == shard:
         return cached[3]
     parts = entry_texts(job.leaves, job.plan, shard)
-    with _texts_lock:
-        _texts = (job.leaves, job.plan, shard, parts)
+    job.buffer.entry_texts = (job.leaves, job.plan, shard, parts)
     return parts
 
 
