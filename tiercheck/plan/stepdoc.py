@@ -17,7 +17,7 @@ from ..format.manifest import Manifest, ShardFile, build_entries, entry_json_par
 from ..format.tree import JsonNode, Leaf
 from .shards import ShardPlan
 
-__all__ = ["entry_texts", "shard_manifest", "shard_manifest_frame", "stored_as", "with_alias_sums"]
+__all__ = ["entry_texts", "shard_manifest", "stored_as", "with_alias_sums"]
 
 
 def shard_manifest(
@@ -28,13 +28,15 @@ def shard_manifest(
     checksum_algorithm: str,
     leaves: Sequence[Leaf],
     plan: ShardPlan,
-    sums: Sequence[str],
+    sums: Sequence[str] | None,
     tree: JsonNode,
     replicated: tuple[tuple[str, str], ...] = (),
     blocks: Mapping[int, tuple[str, ...]] | None = None,
 ) -> Manifest:
     """The manifest of one rank's single-shard part of `step` (`sums`: one per leaf;
     `blocks`: the block digests of each DTensor leaf by index, an alias's under its source's).
+    `sums` None: the manifest without its entries, for a writer that gives them as text
+    (`entry_texts`, `format.manifest.encode_manifest_with`).
 
     Raises:
         ValueError: a DTensor leaf without its block digests.
@@ -46,32 +48,7 @@ def shard_manifest(
         world_size=world_size,
         checksum_algorithm=checksum_algorithm,
         files=(ShardFile(shard, plan.total_bytes),),
-        entries=build_entries(leaves, plan.offsets, sums, shard, blocks),
-        tree=tree,
-        replicated=replicated,
-    )
-
-
-def shard_manifest_frame(
-    *,
-    step: int,
-    rank: int,
-    world_size: int,
-    checksum_algorithm: str,
-    plan: ShardPlan,
-    tree: JsonNode,
-    replicated: tuple[tuple[str, str], ...] = (),
-) -> Manifest:
-    """`shard_manifest` without its entries: what a writer that gives them as text
-    (`entry_texts`, `format.manifest.encode_manifest_with`) encodes around them."""
-    shard = naming.shard_name(rank, world_size)
-    return Manifest(
-        step=step,
-        rank=rank,
-        world_size=world_size,
-        checksum_algorithm=checksum_algorithm,
-        files=(ShardFile(shard, plan.total_bytes),),
-        entries=(),
+        entries=() if sums is None else build_entries(leaves, plan.offsets, sums, shard, blocks),
         tree=tree,
         replicated=replicated,
     )

@@ -33,7 +33,7 @@ from ..job.coordination import Membership, Solo
 from ..observe.collector import collector_paused
 from ..plan.retarget import Key, Retargeted, region_chunks, retarget
 from ..plan.shards import ShardPlan
-from ..plan.stepdoc import entry_texts, shard_manifest, shard_manifest_frame, stored_as, with_alias_sums
+from ..plan.stepdoc import entry_texts, shard_manifest, stored_as, with_alias_sums
 from ..tiers.base import StepWriter, Tier
 from .handle import SaveHandle
 from .stage import HostBuffer, StageProgress
@@ -105,7 +105,7 @@ def write_staged(
     futures = [hasher.submit(_batch_checksums, job, checksum, batch, checksum_algorithm, blocked) for batch in batches]
     writer = tier.open_step(job.step, job.rank, shared=group.shared)
 
-    def manifest_with(sums: list[str], blocks: dict[int, tuple[str, ...]] | None = None) -> Manifest:
+    def manifest_with(sums: list[str] | None, blocks: dict[int, tuple[str, ...]] | None = None) -> Manifest:
         return shard_manifest(
             step=job.step,
             rank=job.rank,
@@ -116,7 +116,7 @@ def write_staged(
             sums=sums,
             tree=job.tree,
             replicated=job.replicated,
-            blocks=blocks if blocks is not None else _placeholder_blocks(job.leaves),
+            blocks=blocks if blocks is not None or sums is None else _placeholder_blocks(job.leaves),
         )
 
     try:
@@ -154,15 +154,7 @@ def write_staged(
                 ]
                 entries_json = "[" + ",".join(texts) + "]"
                 del texts
-                doc = shard_manifest_frame(
-                    step=job.step,
-                    rank=job.rank,
-                    world_size=job.world_size,
-                    checksum_algorithm=checksum_algorithm,
-                    plan=job.plan,
-                    tree=job.tree,
-                    replicated=job.replicated,
-                )
+                doc = manifest_with(None)
             else:
                 entries_json = None
                 doc = manifest_with(with_alias_sums(job.leaves, sums), blocks)
