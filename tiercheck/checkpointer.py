@@ -394,19 +394,19 @@ class Checkpointer:
             if type(step) is not int or step < 0:
                 raise UnsupportedStateError(f"step must be a non-negative int, got {step!r}")
             try:
-                self._raise_background_errors()
-                recorded = metric_values(metrics)
-                part = self._planner.part(state)
-                self._pipeline.become_writer(self.rank, self.world_size)
-                self._history.claim(step)
-                handle = self._stager.stage(step, part, recorded, overlap)
-            except BaseException as exc:
-                # Nothing reached the pipeline (or it was taken back): tell the other ranks now.
-                self._group.abandon_save(step, [t.name for t in self._tiers], exc)
-                raise
-            del part  # its tensors (a state_dict()'s detached views: 5,000 at 20,000 leaves) go
-            # here, in save(), not while the writer starts (below) and takes the GIL from it
-            try:
+                try:
+                    self._raise_background_errors()
+                    recorded = metric_values(metrics)
+                    part = self._planner.part(state)
+                    self._pipeline.become_writer(self.rank, self.world_size)
+                    self._history.claim(step)
+                    handle = self._stager.stage(step, part, recorded, overlap)
+                except BaseException as exc:
+                    # Nothing reached the pipeline (or it was taken back): tell the other ranks now.
+                    self._group.abandon_save(step, [t.name for t in self._tiers], exc)
+                    raise
+                del part  # its tensors (a state_dict()'s detached views: 5,000 at 20,000 leaves)
+                # go here, in save(), not while the writer starts (below) and takes the GIL
                 self._history.saved(step)
                 self._trigger.saved(step)
                 handle.stats.stall_s = time.perf_counter() - t0

@@ -105,8 +105,8 @@ class SaveStager:
         if overlapped:
             self._stage_overlapped(job, flat)
         else:
+            self._held = job.progress  # released by `release` (a failed copy fails it first)
             self._stage_now(job, flat)
-            self._held = job.progress
         stats = handle.stats
         stats.bytes = part.plan.total_bytes
         stats.allocated = self._pool.allocations != allocations
