@@ -397,7 +397,7 @@ class Checkpointer:
                 try:
                     self._raise_background_errors()
                     recorded = metric_values(metrics)
-                    part = self._planner.part(state)
+                    part = self._planner.part(state, params=self._stager.wants_overlap(overlap))
                     self._pipeline.become_writer(self.rank, self.world_size)
                     self._history.claim(step)
                     handle = self._stager.stage(step, part, recorded, overlap)

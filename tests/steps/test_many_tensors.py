@@ -182,6 +182,64 @@ def test_modules_and_optimizers() -> None:
     assert_as_full(cache, state, hit=False)
 
 
+def test_parameter_identities_are_checked_for_overlapping_saves_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only ``save(overlap=True)`` reads the deferral decisions that the parameters'
+    identities are checked for: other saves skip that check (the tensors themselves are
+    still checked), overlapping ones always make it."""
+    from tiercheck.state import structure
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    state: dict[str, Any] = {"model": model, "opt": opt}
+    calls: list[object] = []
+    real = structure._param_ids
+
+    def spy(value: object) -> Any:
+        calls.append(value)
+        return real(value)
+
+    monkeypatch.setattr(structure, "_param_ids", spy)
+    cache = StructureCache()
+    cache.flatten(state)
+    calls.clear()
+    hits = cache.hits
+    cache.flatten(state, params=False)
+    assert (calls, cache.hits) == ([], hits + 1)
+    cache.flatten(state, params=True)
+    assert calls == [model, opt] and cache.hits == hits + 2
+    # An optimizer whose parameter is another tensor of the same shape: its state_dict() is
+    # the same, so only the identity check sees it: a copy-everything save may reuse the
+    # structure (it reads no deferral decision), an overlapping one must not.
+    old = opt.param_groups[0]["params"][0]
+    new = opt.param_groups[0]["params"][0] = torch.nn.Parameter(torch.zeros(4, 4))
+    moved = [(new if k is old else k, v) for k, v in opt.state.items()]  # same order, same tensors
+    opt.state.clear()
+    opt.state.update(moved)
+    cache.flatten(state, params=False)
+    assert cache.hits == hits + 3
+    misses = cache.misses
+    cache.flatten(state, params=True)
+    assert cache.misses == misses + 1
+    model[1].weight = torch.nn.Parameter(torch.randn(2, 4))  # the module's own tensor: always seen
+    misses = cache.misses
+    cache.flatten(state, params=False)
+    assert cache.misses == misses + 1
+    # Through save(): the default copies everything before returning and skips the check.
+    state["opt"] = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=1, run_log_interval=None) as ckpt:
+        ckpt.save(1, state).wait()
+        calls.clear()
+        ckpt.save(2, state).wait()
+        assert calls == []
+        ckpt.save(3, state, overlap=True).wait()
+        assert len(calls) == 2
+
+
 def test_state_dict_that_raises_falls_back_to_the_full_error() -> None:
     class Flaky:
         def __init__(self) -> None:

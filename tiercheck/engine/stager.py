@@ -121,9 +121,13 @@ class SaveStager:
         if held is not None:
             held.release()
 
+    def wants_overlap(self, overlap: bool | None) -> bool:
+        """`save(overlap=)` with the Checkpointer's default for None."""
+        return self._overlap if overlap is None else overlap
+
     def _overlapped(self, flat: FlatState, overlap: bool | None) -> bool:
         """Whether this save defers the copy of optimizer-guarded tensors (`save(overlap=)`)."""
-        wants_overlap = self._overlap if overlap is None else overlap
+        wants_overlap = self.wants_overlap(overlap)
         if wants_overlap and flat.unguarded and not self._warned_unguarded:
             self._warned_unguarded = True
             warnings.warn(

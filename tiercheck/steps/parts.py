@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..job.coordination import Membership
@@ -62,26 +63,26 @@ class PartPlanner:
         self._plans: dict[object, ShardPlan] = {}  # one: the last structure's
         self._last: tuple[object, ShardPlan, bool] | None = None  # (leaves, plan, pinned)
 
-    def part(self, state: Mapping[Any, Any]) -> Part:
-        """Flatten, place and plan `state`.
+    def part(self, state: Mapping[Any, Any], params: bool = True) -> Part:
+        """Flatten, place and plan `state` (`params`: as `StructureCache.flatten`'s).
 
         Raises:
             UnsupportedStateError: a value that cannot be stored (names its key path).
         """
-        placed = self._placed(state)
+        placed = self._placed(state, params)
         plan, pinned = self._plan_for(placed.flat)
         return Part(placed.flat, plan, pinned, placed.replicated, placed.remote_owners)
 
-    def _placed(self, state: Mapping[Any, Any]) -> Placed:
+    def _placed(self, state: Mapping[Any, Any], params: bool) -> Placed:
         replicated = self._job.replicated
         if not replicated or not isinstance(state, Mapping):
-            return Placed(self.structure.flatten(state), (), ())
+            return Placed(self.structure.flatten(state, params), (), ())
         keys = replicated_keys(state, replicated)
         cached = self._placement
         if cached is None or cached[0] != tuple(keys):
             placement = place(keys, lambda: key_sizes(state, keys), self._layout, self._job.replicated_writer)
             cached = self._placement = (tuple(keys), placement)
-        return split_state(state, self._job.rank, keys, cached[1], self.structure.flatten)
+        return split_state(state, self._job.rank, keys, cached[1], partial(self.structure.flatten, params=params))
 
     def _plan_for(self, flat: FlatState) -> tuple[ShardPlan, bool]:
         last = self._last
