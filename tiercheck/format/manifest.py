@@ -160,18 +160,26 @@ def encode_manifest(m: Manifest) -> bytes:
     return data
 
 
-def encode_manifest_with(m: Manifest, entries_json: str) -> bytes:
+def encode_manifest_with(m: Manifest, entries_json: str, tree_json: str | None = None) -> bytes:
     """`encode_manifest` of `m` with its entries given as the text of their JSON array
-    (`m.entries` is not read): a writer that keeps each entry's text but its checksum
-    (`entry_json_parts`) encodes the manifest of a save of many leaves without building an
-    object a leaf. The bytes are those `encode_manifest` gives for the same entries.
+    (`m.entries` is not read), and its tree as `tree_json` if given (`tree_json_text` of
+    `m.tree`): a writer that keeps each entry's text but its checksum (`entry_json_parts`),
+    and the tree's text while the tree is the same object, encodes the manifest of a save of
+    many leaves without building an object a leaf. The bytes are those `encode_manifest`
+    gives for the same entries and tree.
 
     Raises:
         UnsupportedStateError: as `encode_manifest`.
     """
-    text = _dump_text(_manifest_doc(m, []))
-    slot = '"entries":[]'
-    i = text.index(slot) + len('"entries":')  # fields before it are constants and shard names
+    doc = _manifest_doc(m, [])
+    if tree_json is not None:
+        doc["tree"] = {}
+    text = _dump_text(doc)
+    i = text.index('"entries":[]') + len('"entries":')  # fields before it: constants, shard names
+    j = text.index('"tree":', i) + len('"tree":')
+    if tree_json is not None:
+        assert text.startswith("{}", j)
+        text = text[:j] + tree_json + text[j + 2 :]
     data = (text[:i] + entries_json + text[i + 2 :]).encode()
     if len(data) > MAX_MANIFEST_BYTES:
         raise UnsupportedStateError(
@@ -180,6 +188,11 @@ def encode_manifest_with(m: Manifest, entries_json: str) -> bytes:
             "(docs/format.md, Limits)"
         )
     return data
+
+
+def tree_json_text(tree: JsonNode) -> str:
+    """The text `encode_manifest` gives `tree` in the manifest (`encode_manifest_with`)."""
+    return _dump_text(tree)[:-1]
 
 
 def entry_json_parts(entries: Sequence[Entry]) -> list[tuple[str, str]]:

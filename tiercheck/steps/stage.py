@@ -60,6 +60,7 @@ class HostBuffer:
         # The writer's texts of the manifest entries of the last structure written from it
         # (`steps.write`: leaves, plan, shard name, the texts).
         self.entry_texts: tuple[object, object, str, list[tuple[str, str]] | None] | None = None
+        self.tree_text: tuple[object, str] | None = None  # (tree, its JSON text), likewise
 
     def view(self, nbytes: int) -> memoryview:
         return memoryview(self.array[:nbytes])  # type: ignore[arg-type]
@@ -67,6 +68,7 @@ class HostBuffer:
     def free(self) -> None:
         self.layout = None  # its views keep the memory alive
         self.entry_texts = None
+        self.tree_text = None
         if self._registered:
             _host_unregister(self.tensor)
             self._registered = False

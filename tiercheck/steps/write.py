@@ -26,6 +26,7 @@ from ..format.manifest import (
     encode_manifest,
     encode_manifest_with,
     encode_marker,
+    tree_json_text,
 )
 from ..format.tree import JsonNode, Leaf
 from ..job.commit import commit_step, part_may_commit
@@ -148,15 +149,17 @@ def write_staged(
         # two halves, the commit (which may wait for other ranks) after the window.
         with collector_paused():
             parts = _entry_texts(job, shard) if moved is None else None
+            entries_json: str | None = None
+            tree_json: str | None = None
             if parts is not None:  # the entries' texts kept from the last save: no object a leaf
                 texts = [
                     head + ck + tail for (head, tail), ck in zip(parts, with_alias_sums(job.leaves, sums), strict=True)
                 ]
                 entries_json = "[" + ",".join(texts) + "]"
                 del texts
+                tree_json = _tree_text(job)
                 doc = manifest_with(None)
             else:
-                entries_json = None
                 doc = manifest_with(with_alias_sums(job.leaves, sums), blocks)
                 if moved is not None:
                     again = retarget(doc, owners)
@@ -164,8 +167,8 @@ def write_staged(
                     doc = again.manifest
                     del again
             assignment = assignment_digest(doc, owners_agree)
-            ref = write_manifest(writer, tier, doc, [stored], entries_json=entries_json)
-            del doc, entries_json
+            ref = write_manifest(writer, tier, doc, [stored], entries_json=entries_json, tree_json=tree_json)
+            del doc, entries_json, tree_json
         marker = Marker(job.step, job.world_size, checksum_algorithm, (), job.metrics)
         commit_step(group, tier, writer, job.step, ref, marker, assignment, reported)
     except BaseException as exc:
@@ -184,15 +187,17 @@ def write_manifest(
     source: bytes | None = None,
     *,
     entries_json: str | None = None,
+    tree_json: str | None = None,
 ) -> ManifestRef:
     """Write the manifest of the part whose shard files `writer` stored (`stored`: the bytes
     stored per file of `doc.files`): `doc` as `tier` holds them (the builder's `stored_as`).
     `source`: `doc` as another tier encoded it (a copy), written unchanged when storing it
     here changed nothing, so a copy keeps its source's bytes. `entries_json`: the text of
-    the entries' array, `doc.entries` being empty (`encode_manifest_with`)."""
+    the entries' array, `doc.entries` being empty, and `tree_json` that of `doc.tree` if
+    given (`encode_manifest_with`)."""
     held = stored_as(doc, tier.codec, stored)
     if entries_json is not None:
-        data = encode_manifest_with(held, entries_json)
+        data = encode_manifest_with(held, entries_json, tree_json)
     else:
         data = source if source is not None and held == doc else encode_manifest(held)
     name = naming.manifest_name(doc.rank, doc.world_size)
@@ -271,6 +276,18 @@ def _entry_texts(job: StagedSave, shard: str) -> list[tuple[str, str]] | None:
     parts = entry_texts(job.leaves, job.plan, shard)
     job.buffer.entry_texts = (job.leaves, job.plan, shard, parts)
     return parts
+
+
+def _tree_text(job: StagedSave) -> str:
+    """The JSON text of `job.tree`, kept on the host buffer while the structure cache gives
+    the same tree object (an unchanged state's: its nodes are never changed in place; a
+    changed value gives a new root). 0.023 s a save at 20,000 leaves."""
+    cached = job.buffer.tree_text
+    if cached is not None and cached[0] is job.tree:
+        return cached[1]
+    text = tree_json_text(job.tree)
+    job.buffer.tree_text = (job.tree, text)
+    return text
 
 
 CHECKSUM_BATCH = 4 << 20  # bytes of small leaves hashed per task
