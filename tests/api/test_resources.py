@@ -54,6 +54,19 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def os_threads_at_rest(at_most: int | None, deadline_s: float = 30.0) -> int:
+    """`os_threads()` once threads that already ended have left /proc/self/task: `join()`
+    returns when a thread's Python state is gone, and its OS thread exits a moment later (a
+    remote call's thread was counted at rest once under load). A thread that stays is still
+    counted after `deadline_s`."""
+    end = time.monotonic() + deadline_s
+    n = os_threads()
+    while at_most is not None and n > at_most and time.monotonic() < end:
+        time.sleep(0.01)
+        n = os_threads()
+    return n
+
+
 def tiercheck_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("tiercheck")]
 
@@ -203,7 +216,7 @@ def test_saves_with_a_remote_tier_stay_flat(
             meter.sample()
         if step % 30 == 29:
             ckpt.wait()
-            idle_threads.append(os_threads())
+            idle_threads.append(os_threads_at_rest(idle_threads[0] if idle_threads else None))
             own_threads.append(sorted(t.name for t in threading.enumerate() if t.name.startswith("tiercheck")))
     ckpt.wait()
     elapsed = time.perf_counter() - t0
