@@ -557,3 +557,21 @@ def test_small_tensors_of_every_kind_restore_in_place(tmp_path: Path) -> None:
         assert target[k] is v, f"{k} was not filled in place"
     assert target["c"] is shared or target["d"] is shared
     assert target["w5"].requires_grad
+
+
+def test_small_tensors_written_by_address_bump_their_versions(tmp_path: Path) -> None:
+    """Small leaves are copied into the template by address (`_place_run`): each written
+    tensor's version counter moves as after `copy_`, so a backward pass through a graph that
+    saved a parameter's earlier value is refused, not computed from the restored bytes."""
+    state = {f"w{i}": torch.randn(4, 4) for i in range(50)}
+    with tiercheck.Checkpointer(local=tmp_path) as ckpt:
+        ckpt.save(1, state).wait()
+        params = {k: torch.nn.Parameter(torch.zeros(4, 4)) for k in state}
+        loss = (params["w7"] * params["w7"]).sum()  # saves w7 for its backward
+        versions = {k: p._version for k, p in params.items()}
+        ckpt.restore(params, step=1)
+    for k, p in params.items():
+        assert torch.equal(p.detach(), state[k]), k
+        assert p._version > versions[k], k
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

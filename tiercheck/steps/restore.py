@@ -7,6 +7,7 @@ when the whole step verified are plain values written and `load_state_dict` call
 
 from __future__ import annotations
 
+import ctypes
 import operator
 import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
@@ -52,9 +53,10 @@ _MISSING = object()
 
 @dataclass(slots=True)
 class _Read:
-    """`entry`'s bytes go to `dest`: a writable byte view, or the uint8 view of a contiguous
-    CPU tensor's bytes (`_tensor_bytes`), which runs of small reads fill with one
-    `_foreach_copy_` (`_place_run`)."""
+    """`entry`'s bytes go to `dest`: a writable byte view, or a contiguous CPU tensor of
+    exactly `entry.length` bytes (the uint8 view `_tensor_bytes`; for a read of at most
+    `_SMALL_READ` bytes also a template's tensor itself, which `_place_run` copies into by
+    address)."""
 
     entry: Entry
     dest: memoryview | torch.Tensor
@@ -278,8 +280,10 @@ class _Binder:
     def _place_one(self, lent: _Lent) -> None:
         """The read of a lent span that overlaps no other: into the template's own memory."""
         if lent.plain:  # `_into_tensor`, its checks made by `_lend_plain`
-            assert isinstance(lent.tmpl, torch.Tensor)
-            self.reads.append(_Read(lent.entry, _tensor_bytes(lent.tmpl)))
+            t = lent.tmpl
+            assert isinstance(t, torch.Tensor)
+            # a small read is copied by address (`_place_run`): the tensor itself will do
+            self.reads.append(_Read(lent.entry, t if lent.entry.length <= _SMALL_READ else _tensor_bytes(t)))
             lent.produce = None  # the template's tensor itself
         else:
             lent.produce = self._into(lent.tmpl, lent.entry)
@@ -1033,43 +1037,39 @@ def _verify_run(algorithm: str, run: list[_Read], start: int, buf: torch.Tensor)
 
 
 def _place_run(run: list[_Read], los: list[int], ns: list[int], buf: torch.Tensor, span: memoryview) -> None:
-    """Copy each read of `run` (`ns` bytes at `los` in `buf`): the tensors in one
-    `_foreach_copy_` from pieces of one `split` (when, as a writer lays them out, the reads
-    follow each other without overlapping), any other destination by a byte copy."""
-    dests: list[torch.Tensor] = []
-    spans: list[tuple[int, int]] = []
-    sizes: list[int] = []  # of the pieces `split` cuts: the reads and the gaps between them
-    keep: list[int] = []  # the reads' pieces
-    pos = 0
-    tied = False  # two reads of one region (tied in the checkpoint, not in the template)
+    """Copy each read of `run` (`ns` bytes at `los` in `buf`): a tensor destination (a
+    contiguous CPU tensor of exactly those bytes: a template's own, or its byte view) by
+    one `memmove` to its address, then every such tensor's version counter bumped in one
+    call, as an in-place write by torch would (at 20,000 leaves a `_foreach_copy_` of byte
+    views made a leaf cost about 3 us more); any other destination by a byte copy."""
+    base = buf.data_ptr()
+    written: list[torch.Tensor] = []
     for r, lo, n in zip(run, los, ns, strict=True):
-        dest = r.dest
         if not n:
             continue
-        if not isinstance(dest, torch.Tensor):
+        dest = r.dest
+        if isinstance(dest, torch.Tensor):
+            if dest.nbytes != n:  # never written past: planned exact, checked all the same
+                raise AssertionError(f"{r.entry.path}: a {dest.nbytes}-byte destination for {n} bytes")
+            _memmove(dest.data_ptr(), base + lo, n)
+            written.append(dest)
+        else:
             dest[:] = span[lo : lo + n]
-            continue
-        dests.append(dest)
-        spans.append((lo, n))
-        if lo < pos:
-            tied = True
-        elif not tied:
-            if lo > pos:
-                sizes.append(lo - pos)
-            keep.append(len(sizes))
-            sizes.append(n)
-            pos = lo + n
-    if not dests:
-        return
-    if tied:
-        srcs = [buf[lo : lo + n] for lo, n in spans]
-    else:
-        if pos < len(buf):
-            sizes.append(len(buf) - pos)
-        pieces = torch.split(buf, sizes)
-        srcs = [pieces[i] for i in keep]
-    with torch.no_grad():  # the template's byte views (`place_lent`): no graph to record
-        torch._foreach_copy_(dests, srcs)
+    if written:
+        _increment_versions(written)
+
+
+_memmove = ctypes.memmove
+
+
+def _increment_versions(tensors: list[torch.Tensor]) -> None:
+    """Bump the version counters of `tensors`, written by address: autograd then refuses a
+    backward pass through a graph that saved their earlier values, as after `copy_`."""
+    try:
+        torch._C._increment_version(tensors)
+    except TypeError:  # torch before 2.4 takes one tensor a call
+        for t in tensors:
+            torch._C._increment_version(t)
 
 
 _RELISTS = 3  # how often a step pruned while read makes an automatic restore list the tiers again
