@@ -1067,7 +1067,7 @@ def _increment_versions(tensors: list[torch.Tensor]) -> None:
     backward pass through a graph that saved their earlier values, as after `copy_`."""
     try:
         torch._C._increment_version(tensors)
-    except TypeError:  # torch before 2.4 takes one tensor a call
+    except TypeError:  # an older torch takes one tensor a call
         for t in tensors:
             torch._C._increment_version(t)
 
