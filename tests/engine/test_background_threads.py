@@ -197,3 +197,40 @@ def test_collector_pauses_of_several_threads_nest() -> None:
         assert not gc.isenabled()  # a program that disabled it keeps it disabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_the_buffer_goes_back_before_retention_runs(tmp_path: Path) -> None:
+    """With one host buffer, a save issued right after the last one's `wait()` gets the
+    buffer while the writer still deletes older steps (retention runs after the release):
+    it copies and returns although that deletion is held here; the deletion then ends
+    and retention is what `keep_local` says."""
+    state = {"w": torch.arange(256.0)}
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=1, host_buffers=1, run_log_interval=None) as ckpt:
+        pruner = ckpt._pipeline._pruner
+        real_prune = pruner.prune
+        pruning, go_on = threading.Event(), threading.Event()
+
+        def held_prune(*args: object, **kwargs: object) -> object:
+            pruning.set()
+            assert go_on.wait(120), "the test never let retention go on"
+            return real_prune(*args, **kwargs)  # type: ignore[arg-type]
+
+        ckpt.save(1, state).wait()
+        pruner.prune = held_prune  # type: ignore[method-assign]
+        try:
+            ckpt.save(2, state).wait()  # durable: then retention starts and is held
+            assert pruning.wait(60), "retention never ran"
+            saved = threading.Event()
+
+            def third() -> None:
+                ckpt.save(3, state)
+                saved.set()
+
+            t = threading.Thread(target=third, name="test-third-save", daemon=True)
+            t.start()
+            assert saved.wait(60), "save() waited for retention to give the buffer back"
+        finally:
+            go_on.set()
+        t.join(60)
+        ckpt.wait()
+        assert ckpt.steps("local") == [3]

@@ -370,9 +370,11 @@ class Pipeline:
             if self._uploads is not None:
                 self._uploads.upload(item)  # from the tier-1 files: the buffer is not needed
             self._finish(item.step, tier.name, None)  # durable on tier 1 now, copies or not
-            self._report(self._prune_fast(item.step))
             self._copy_to_peers(item, in_memory)  # before the buffer (the shard sent) goes back
+            # The buffer before retention: a save waiting for a free buffer (one issued right
+            # after the last one's wait()) need not wait for older steps' files to be deleted.
             self._pool.release(item.buffer)
+            self._report(self._prune_fast(item.step))
             return
         self._copy_to_peers(item, in_memory)
         if self._uploads is not None:
