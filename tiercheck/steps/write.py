@@ -217,11 +217,13 @@ def write_part(
     reported: Callable[[], object] = lambda: None,
     source: bytes | None = None,
 ) -> None:
-    """The end of writing one rank's part, the same for every writer (the engine's writer and
-    uploader, `tiercheck import`): its shard files are stored; then its manifest
-    (`write_manifest`), then the commit marker last (`commit_step`: alone, the marker
-    listing this part; in a job, the ranks' vote). `marker`: the step's marker, its
-    manifests filled in here. On failure the caller aborts `writer` (`part_may_commit`)."""
+    """The end of writing one rank's part, the same for every writer (the uploader, `tiercheck
+    import`; the engine's writer, `write_staged`, calls its two halves itself, so that the
+    manifest is built and written with the collector paused and freed before the commit):
+    its shard files are stored; then its manifest (`write_manifest`), then the commit marker
+    last (`commit_step`: alone, the marker listing this part; in a job, the ranks' vote).
+    `marker`: the step's marker, its manifests filled in here. On failure the caller aborts
+    `writer` (`part_may_commit`)."""
     ref = write_manifest(writer, tier, doc, stored, source)
     commit_step(group, tier, writer, doc.step, ref, marker, assignment, reported)
 
