@@ -395,6 +395,7 @@ def _transfer_rates(port: int, n: int) -> tuple[float, float]:
     return n / (t1 - t0), n / (t2 - t1)
 
 
+@pytest.mark.slow  # ~3 s: times a rate-capped stream
 def test_shaping_proxy_caps_one_connection_at_its_rate() -> None:
     """One connection through the proxy moves within 10% of its cap, each way (2.5 MB at 5 MB/s,
     0.5 s per direction); the best of three tries, since a loaded machine only slows it down."""
