@@ -10,7 +10,9 @@ step 1) and with ``torch.distributed.checkpoint.save`` (one file per saving rank
 same disk). Then each restore case (a saved layout restored at another world size, mesh or
 placements) runs ``--repeats`` times tiercheck's ``restore`` and ``dcp.load`` into the same
 zeroed DTensor template of the target layout, interleaved, order rotated, page cache of
-both directories dropped before each call. Reported per case:
+both directories dropped before each call (``--cache cold``, the default) or every file of
+both read once before each call (``--cache warm``: both methods read from memory, which
+shows what each costs beyond the disk). Reported per case:
 
 1. bytes each rank read against its share (the bytes of its target pieces): shard bytes
    counted through ``ShardFiles.read_into`` (tiercheck), and ``rchar`` of
@@ -62,6 +64,12 @@ CASES = [  # (saved layout, restore world, mesh, placements)
     ("1d-S1", 4, [4], ["S0"]),
     ("1d-S0", 4, [4], ["S1"]),
 ]
+
+
+PRIMED = {  # --cache: what each restore call finds in the page cache
+    "cold": "page cache dropped before each call",
+    "warm": "every file read once before each call",
+}
 
 
 def free_port() -> int:
@@ -152,6 +160,7 @@ def reshard_part(args: argparse.Namespace, scratch: Path, checkout: str) -> dict
             continue
         spec = dict(saves[saved]["spec"], mesh=mesh, placements=places, methods=["tiercheck", "dcp"])
         spec["repeats"] = args.repeats
+        spec["cache"] = args.cache
         t0 = time.perf_counter()
         got = job("restore", world, spec, scratch)
         calls = per_call(got)
@@ -215,7 +224,7 @@ def report(info: dict[str, Any], res: dict[str, Any]) -> str:
     if rs:
         lines += [
             f"State: {len(rs['state'])} fp32 tensors, {rs['total_bytes'] / MIB:.0f} MiB, saved by 4 ranks; "
-            f"{res['repeats']} cold restores per method and case, interleaved.",
+            f"{res['repeats']} {res.get('cache', 'cold')} restores per method and case, interleaved.",
             "",
             "Bytes read per rank (MiB) against its share (the bytes of its target pieces); tiercheck's shard "
             "bytes counted at `ShardFiles.read_into`, `rchar` of /proc/self/io for both (first call):",
@@ -234,7 +243,7 @@ def report(info: dict[str, Any], res: dict[str, Any]) -> str:
                 )
         lines += [
             "",
-            "Restore time (slowest rank, page cache dropped before each call; median [min-max]):",
+            f"Restore time (slowest rank, {PRIMED[res.get('cache', 'cold')]}; median [min-max]):",
             "",
             "| saved at 4 | restored as | tiercheck s | DCP load s | tiercheck / DCP (paired) | target <= 0.7 |",
             "|---|---|---:|---:|---:|---|",
@@ -283,6 +292,7 @@ def main() -> None:
     ap.add_argument("--big", type=int, default=6, help="big matrices (4096 columns)")
     ap.add_argument("--small", type=int, default=6, help="64x4096 matrices")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache", choices=list(PRIMED), default="cold", help="the page cache before each restore")
     ap.add_argument("--jobs", type=int, default=4, help="restore jobs per side (--part same)")
     ap.add_argument("--saves", default=",".join(SAVES), help="saved layouts whose cases run")
     ap.add_argument("--scratch", default=None, help="parent of the temp dir (default: the system's)")
@@ -294,7 +304,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="tc-reshard-", dir=args.scratch))
     info = machine_info(scratch)
     checkout = os.path.abspath(args.checkout)
-    res: dict[str, Any] = {"checkout": checkout, "repeats": args.repeats, "jobs": args.jobs}
+    res: dict[str, Any] = {"checkout": checkout, "repeats": args.repeats, "jobs": args.jobs, "cache": args.cache}
     t0 = time.perf_counter()
     try:
         if args.part in ("reshard", "all"):

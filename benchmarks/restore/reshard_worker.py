@@ -15,7 +15,9 @@ has: one file per saving rank). MODE ``restore``: ``repeats`` times, each method
 ``methods`` in an order rotated between repeats (``tiercheck``: a fresh Checkpointer's
 ``restore`` of zeroed DTensors of this job's layout; ``dcp``: ``dcp.load`` into the same
 template), with every file of both directories dropped from the page cache first
-(``os.sync`` and ``POSIX_FADV_DONTNEED`` by rank 0, then a barrier). Per call and rank: the
+(``os.sync`` and ``POSIX_FADV_DONTNEED`` by rank 0, then a barrier), or with ``cache``
+``"warm"`` in SPEC read whole once by rank 0 instead (both methods then read from memory,
+as a restart on the node that just wrote them would). Per call and rank: the
 wall time of the call, the bytes tiercheck read from shard files (counted by wrapping
 ``ShardFiles.read_into``, the one shard reader every restore goes through), and the
 ``rchar`` / ``read_bytes`` deltas of ``/proc/self/io`` (everything the process read:
@@ -48,6 +50,18 @@ def io_counters() -> dict[str, int]:
             k, v = line.split(":")
             out[k] = int(v)
     return out
+
+
+def warm_cache(*dirs: str | None) -> None:
+    """Read every file of `dirs` once, so the calls after it find every page in memory."""
+    for d in dirs:
+        if not d:
+            continue
+        for dirpath, _, files in os.walk(d):
+            for name in files:
+                with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                    while f.read(8 << 20):
+                        pass
 
 
 def drop_cache(*dirs: str | None) -> None:
@@ -151,7 +165,8 @@ def main() -> None:
                     ckpt = tiercheck.Checkpointer(**tc_kw)
                 dist.barrier()
                 if rank == 0:
-                    drop_cache(SPEC["tc_dir"], SPEC.get("dcp_dir"))
+                    prime = warm_cache if SPEC.get("cache") == "warm" else drop_cache
+                    prime(SPEC["tc_dir"], SPEC.get("dcp_dir"))
                 dist.barrier()
                 io0, n0 = io_counters(), counted[0]
                 t0 = time.perf_counter()
