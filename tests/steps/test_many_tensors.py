@@ -524,6 +524,40 @@ def test_a_damaged_run_never_reaches_the_template(tmp_path: Path) -> None:
         assert torch.equal(t, torch.full((64,), -1.0)), k
 
 
+@pytest.mark.parametrize("run_bytes", [None, 4096], ids=["one run", "many runs"])
+def test_one_run_is_checked_on_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_bytes: int | None
+) -> None:
+    """A restore that reads one run of small entries and nothing else checks it where it
+    runs (no helper thread to start, nothing to overlap); several runs are checked on the
+    helper thread while the next is read. Bit-exact either way."""
+    import threading
+
+    from tiercheck.steps import restore
+
+    if run_bytes is not None:
+        monkeypatch.setattr(restore, "_RUN_BYTES", run_bytes)
+    threads: list[str] = []
+    real = restore._verify_run
+
+    def spy(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(restore, "_verify_run", spy)
+    state = {f"p{i}": torch.full((64,), float(i)) for i in range(500)}
+    with tiercheck.Checkpointer(local=tmp_path, keep_local=None) as ckpt:
+        ckpt.save(1, state).wait()
+        target = {k: torch.zeros(64) for k in state}
+        assert ckpt.restore(target, step=1) == 1
+    for k, v in state.items():
+        assert torch.equal(target[k], v), k
+    if run_bytes is None:
+        assert threads == [threading.current_thread().name]
+    else:
+        assert len(threads) > 1 and all(n.startswith("tiercheck-verify") for n in threads), threads
+
+
 def test_small_tensors_of_every_kind_restore_in_place(tmp_path: Path) -> None:
     """The bulk copy of small runs: parameters, 0-d, inference tensors, bool and half, tensors
     tied in the checkpoint but not in the template and the other way round, a transposed view
