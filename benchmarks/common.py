@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import mmap
 import os
 import platform
 import statistics
 import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -107,6 +109,20 @@ def machine_info(target: Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- statistics
+
+
+def run_in_checkout(checkout: str, script: str, *args: object, timeout: float = 1800) -> dict[str, Any]:
+    """Run `script` (`python -c`, its argv: `checkout` then `args`) in a fresh process from
+    `checkout`; the JSON object its last output line holds, which must name the tiercheck it
+    imported (``"tiercheck": tiercheck.__file__``) from that checkout (an A/B of revisions)."""
+    cmd = [sys.executable, "-c", script, checkout, *map(str, args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=checkout)
+    if out.returncode:
+        raise RuntimeError(f"{checkout} {args}: exit {out.returncode}\n{out.stderr[-4000:]}")
+    got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    if not got["tiercheck"].startswith(os.path.realpath(checkout)):
+        raise RuntimeError(f"{checkout}: imported tiercheck from {got['tiercheck']}")
+    return got
 
 
 def summary(xs: Iterable[float | None]) -> dict[str, float] | None:

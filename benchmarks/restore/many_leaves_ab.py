@@ -20,13 +20,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(HERE))  # the checkout: `benchmarks.*` when run as a script
+from benchmarks.common import run_in_checkout  # noqa: E402
 
 CHILD = r"""
 import json, statistics, sys, time
@@ -63,14 +64,7 @@ print(json.dumps({
 
 
 def run_child(checkout: str, count: int, leaf_bytes: int, n: int, work: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-c", CHILD, checkout, str(count), str(leaf_bytes), str(n), work]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=checkout)
-    if out.returncode:
-        raise RuntimeError(f"{checkout} {count}x{leaf_bytes}: exit {out.returncode}\n{out.stderr[-4000:]}")
-    got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    if not got["tiercheck"].startswith(os.path.realpath(checkout)):
-        raise RuntimeError(f"{checkout}: imported tiercheck from {got['tiercheck']}")
-    return got
+    return run_in_checkout(checkout, CHILD, count, leaf_bytes, n, work)
 
 
 def main() -> None:

@@ -52,30 +52,27 @@ def io_counters() -> dict[str, int]:
     return out
 
 
+def files_of(*dirs: str | None) -> list[str]:
+    """Every file under `dirs` (None: none)."""
+    return [os.path.join(p, n) for d in dirs if d for p, _, names in os.walk(d) for n in names]
+
+
 def warm_cache(*dirs: str | None) -> None:
     """Read every file of `dirs` once, so the calls after it find every page in memory."""
-    for d in dirs:
-        if not d:
-            continue
-        for dirpath, _, files in os.walk(d):
-            for name in files:
-                with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
-                    while f.read(8 << 20):
-                        pass
+    for path in files_of(*dirs):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
 
 
 def drop_cache(*dirs: str | None) -> None:
     os.sync()
-    for d in dirs:
-        if not d:
-            continue
-        for dirpath, _, files in os.walk(d):
-            for name in files:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+    for path in files_of(*dirs):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def global_tensor(i: int, rows: int, cols: int) -> torch.Tensor:

@@ -14,11 +14,13 @@ reported: the median stall per process and the median over processes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks.*` when run as a script
+from benchmarks.common import run_in_checkout
 
 CHILD = r"""
 import json, statistics, sys, tempfile, time
@@ -52,14 +54,7 @@ def main() -> None:
     got: dict[str, list[float]] = {c: [] for c in checkouts}
     for i in range(args.processes):
         for c in checkouts if i % 2 == 0 else checkouts[::-1]:
-            cmd = [sys.executable, "-c", CHILD, c, str(args.leaves), str(args.numel), str(args.saves)]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=c)
-            if out.returncode:
-                raise RuntimeError(f"{c}: exit {out.returncode}\n{out.stderr[-4000:]}")
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            if not r["tiercheck"].startswith(c):
-                raise RuntimeError(f"{c}: imported tiercheck from {r['tiercheck']}")
-            got[c].append(r["stall_s"])
+            got[c].append(run_in_checkout(c, CHILD, args.leaves, args.numel, args.saves)["stall_s"])
     print(f"{args.leaves} x {args.numel * 4} B, {args.saves} saves a process, load {os.getloadavg()[0]:.1f}")
     for c, stalls in got.items():
         per = ", ".join(f"{s * 1e3:.2f}" for s in stalls)

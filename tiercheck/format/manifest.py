@@ -176,8 +176,8 @@ def encode_manifest_with(m: Manifest, entries_json: str, tree_json: str | None =
         doc["tree"] = {}
     text = _dump_text(doc)
     i = text.index('"entries":[]') + len('"entries":')  # fields before it: constants, shard names
-    j = text.index('"tree":', i) + len('"tree":')
     if tree_json is not None:
+        j = text.index('"tree":', i) + len('"tree":')
         assert text.startswith("{}", j)
         text = text[:j] + tree_json + text[j + 2 :]
     data = (text[:i] + entries_json + text[i + 2 :]).encode()
