@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointCorruptedError, NoCheckpointError, StateMismatchError, StepPrunedError
+from ..format import naming
 from ..format.checksum import checksum_function, checksum_stream, crc32c_combine
 from ..format.dtypes import TORCH_DTYPES, numpy_dtype_from_name, torch_dtype_name
-from ..format.manifest import LEAF_NODE_TYPES, Entry, Manifest, decode_key
+from ..format.manifest import LEAF_NODE_TYPES, Entry, Manifest, Marker, decode_key
 from ..format.tree import ROOT, JsonNode, decode_plain, key_path
 from ..job.agreement import RestoreAgreement
 from ..observe.collector import collector_paused
@@ -34,9 +35,11 @@ from .catalog import (
     READ_CHUNK,
     ReplicaResolver,
     ShardFiles,
+    ShardPrefetch,
     first_present_manifest,
     in_order,
     list_committed,
+    prefetch_bytes,
     read_manifest,
     read_marker_and_guess,
     reading_committed,
@@ -719,6 +722,29 @@ def _prepare_step(
 ) -> Producer:
     marker, guessed = read_marker_and_guess(tier, step, rank, world_size)  # one round trip for both
     resized = world_size is not None and world_size != marker.world_size
+    # This rank's own shard, asked of the disk while its manifest is decoded and bound.
+    own = not resized and 0 <= rank < marker.world_size
+    shard = naming.shard_name(rank, marker.world_size) if own else None
+    ahead = prefetch_bytes(marker.manifests[rank].length) if own else 0
+    with ShardPrefetch(tier, step, shard, ahead):
+        return _prepare_read(
+            tier, step, rank, marker, guessed, resized, template, strict, world_size, progress, sources
+        )
+
+
+def _prepare_read(
+    tier: Tier,
+    step: int,
+    rank: int,
+    marker: Marker,
+    guessed: bytes | None,
+    resized: bool,
+    template: object,
+    strict: bool,
+    world_size: int | None,
+    progress: ProgressCallback | None,
+    sources: Sequence[Tier],
+) -> Producer:
     # Resized: any rank's view holds the replicated keys; take the first one this tier has.
     if resized:
         manifest = first_present_manifest(tier, step, marker)

@@ -63,6 +63,10 @@ class Capabilities:
         rank_parts: `delete_step` hides the step (marker first) but removes only the part of
             the rank this tier object writes, so every rank prunes its own part (tier 0,
             whose shards are live host buffers of each rank's process), not one leader.
+        prefetch: `prefetch` of an `open_file` file makes the store start fetching those
+            bytes ahead of the reads (a local filesystem: into the page cache), so a
+            restore asks for its own shard while it decodes the manifest and binds the
+            template (`steps.catalog.ShardPrefetch`). Without it nothing is asked.
     """
 
     space_check: bool = False
@@ -71,6 +75,7 @@ class Capabilities:
     local_files: bool = False
     deferred_reclaim: bool = False
     rank_parts: bool = False
+    prefetch: bool = False
 
 
 def _undeclared(tier: Tier, method: str, flag: str) -> NotImplementedError:
@@ -151,6 +156,12 @@ class ReadableFile(ABC):
     @abstractmethod
     def read_into(self, offset: int, dest: memoryview) -> None:
         """Fill `dest` with the bytes at `offset`; raises EOFError if the file is short."""
+
+    def prefetch(self, offset: int, n: int) -> None:
+        """Ask the store to start fetching bytes [offset, offset + n) for reads to come, and
+        return without waiting for them: a hint that reads nothing into this process and
+        never fails (`Capabilities.prefetch`). By default it does nothing."""
+        return None
 
     @abstractmethod
     def close(self) -> None: ...
