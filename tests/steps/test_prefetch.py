@@ -89,20 +89,26 @@ def saved(tmp_path: Path) -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
     yield tmp_path / "ckpt", s
 
 
-def test_a_restore_asks_its_own_shard_ahead_a_window_at_a_time(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
-    root, s = saved
-    tier = Recording(root, hold_reads=True)
+def restore_exactly(tier: Recording, s: dict[str, torch.Tensor]) -> None:
+    """Restore the newest step through `tier` and check it is step 5, bit-exact."""
     with tiercheck.Checkpointer(local=tier) as ckpt:
         target = template_of(s)
         assert ckpt.restore(target) == 5
-    assert tier.hinted.is_set()
     for k, v in s.items():
         assert torch.equal(target[k], v), k
+
+
+def test_a_restore_asks_its_own_shard_ahead_a_window_at_a_time(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    root, s = saved
+    tier = Recording(root, hold_reads=True)
+    restore_exactly(tier, s)
+    assert tier.hinted.is_set()
     shard = naming.shard_name(0, 1)
     size = os.path.getsize(tier.path_of(5, shard))
     end = min(size, prefetch_bytes(read_marker(tier, 5).manifests[0].length))
     assert end == size  # a 16 MiB shard is asked whole
-    want = [(shard, pos, min(PREFETCH_ADVICE, end - pos), "tiercheck-prefetch") for pos in range(0, end, PREFETCH_ADVICE)]
+    windows = range(0, end, PREFETCH_ADVICE)
+    want = [(shard, pos, min(PREFETCH_ADVICE, end - pos), "tiercheck-prefetch") for pos in windows]
     assert tier.asked == want
     assert len(want) > 1  # more than one window: the loop, not one call
     assert prefetch_threads() == []  # stopped and joined before restore returned
@@ -111,12 +117,8 @@ def test_a_restore_asks_its_own_shard_ahead_a_window_at_a_time(saved: tuple[Path
 def test_a_failing_hint_changes_nothing(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
     root, s = saved
     tier = Recording(root, fail=True)
-    with tiercheck.Checkpointer(local=tier) as ckpt:
-        target = template_of(s)
-        assert ckpt.restore(target) == 5
+    restore_exactly(tier, s)
     assert len(tier.asked) == 1  # the first refusal ends the asking; the restore reads as before
-    for k, v in s.items():
-        assert torch.equal(target[k], v), k
     assert prefetch_threads() == []
 
 
