@@ -22,16 +22,16 @@ import torch
 import tiercheck
 from tiercheck.errors import CheckpointCorruptedError
 from tiercheck.format import naming
-from tiercheck.steps.catalog import PREFETCH_ADVICE, ShardPrefetch, prefetch_bytes, read_marker
+from tiercheck.steps.catalog import PREFETCH_ADVICE, PREFETCH_FROM, ShardPrefetch, prefetch_bytes, read_marker
 from tiercheck.tiers.base import ReadableFile
 from tiercheck.tiers.local import LocalTier
 
 PAGE = mmap.PAGESIZE
 
 
-def state(n: int = 64, numel: int = 64 << 10) -> dict[str, torch.Tensor]:
+def state(n: int = 512, numel: int = 8 << 10) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
-    return {f"w{i}": torch.randn(numel, generator=g) for i in range(n)}  # 16 MiB of fp32
+    return {f"w{i}": torch.randn(numel, generator=g) for i in range(n)}  # 16 MiB of fp32, 512 leaves
 
 
 def template_of(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -105,13 +105,26 @@ def test_a_restore_asks_its_own_shard_ahead_a_window_at_a_time(saved: tuple[Path
     assert tier.hinted.is_set()
     shard = naming.shard_name(0, 1)
     size = os.path.getsize(tier.path_of(5, shard))
-    end = min(size, prefetch_bytes(read_marker(tier, 5).manifests[0].length))
+    manifest = read_marker(tier, 5).manifests[0].length
+    assert manifest >= PREFETCH_FROM  # 512 leaves: a manifest worth asking ahead for
+    end = min(size, prefetch_bytes(manifest))
     assert end == size  # a 16 MiB shard is asked whole
     windows = range(0, end, PREFETCH_ADVICE)
     want = [(shard, pos, min(PREFETCH_ADVICE, end - pos), "tiercheck-prefetch") for pos in windows]
     assert tier.asked == want
     assert len(want) > 1  # more than one window: the loop, not one call
     assert prefetch_threads() == []  # stopped and joined before restore returned
+
+
+def test_a_small_manifest_asks_nothing_ahead(tmp_path: Path) -> None:
+    s = state(n=16)  # 16 leaves of 32 KiB: decoded in well under a millisecond
+    with tiercheck.Checkpointer(local=tmp_path / "ckpt") as ckpt:
+        ckpt.save(5, s).wait()
+    tier = Recording(tmp_path / "ckpt")
+    assert read_marker(tier, 5).manifests[0].length < PREFETCH_FROM
+    restore_exactly(tier, s)
+    assert tier.asked == []
+    assert prefetch_threads() == []
 
 
 def test_a_failing_hint_changes_nothing(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
