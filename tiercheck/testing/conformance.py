@@ -266,6 +266,23 @@ def check_open_file_and_read_into_ranges(case: TierCase, scratch: Path) -> None:
         f.close()
 
 
+def check_prefetch_is_a_hint(case: TierCase, scratch: Path) -> None:
+    """`prefetch` (a no-op unless the tier declares `capabilities.prefetch`) returns for any
+    range, past the end included, and changes no byte a read returns."""
+    tier = case.make_tier()
+    data = payload(300_000, 3)
+    write_step(tier, 2, {SHARD: data})
+    f = tier.open_file(2, SHARD)
+    try:
+        for offset, n in [(0, len(data)), (0, 0), (4096, 10), (len(data) - 1, 100), (len(data) + 4096, 1 << 20)]:
+            f.prefetch(offset, n)
+        dest = bytearray(len(data))
+        f.read_into(0, memoryview(dest))
+        assert bytes(dest) == data
+    finally:
+        f.close()
+
+
 def check_open_file_of_an_empty_file(case: TierCase, scratch: Path) -> None:
     tier = case.make_tier()
     write_step(tier, 1, {SHARD: b""})
@@ -434,6 +451,7 @@ CHECKS: tuple[Callable[[TierCase, Path], None], ...] = (
     check_abort_before_any_write_and_twice_never_raises,
     check_read_bytes,
     check_open_file_and_read_into_ranges,
+    check_prefetch_is_a_hint,
     check_open_file_of_an_empty_file,
     check_open_file_missing_raises_file_not_found,
     check_delete_step,
