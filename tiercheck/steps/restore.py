@@ -1022,7 +1022,7 @@ _HASH_CHUNK = 2 << 20  # bytes read, then hashed while in cache
 
 
 _SMALL_READ = 1 << 20  # entries up to this size are read in runs (`_small_runs`)
-_RUN_BYTES = 8 << 20  # file bytes one run's read spans at most
+_RUN_BYTES = 4 << 20  # file bytes one run's read spans at most (8 MiB: 100 x 164 KiB restored 1.1x slower)
 _RUNS_AHEAD = 2  # runs read but not yet verified and copied, at most
 
 
