@@ -135,6 +135,26 @@ def test_a_failing_hint_changes_nothing(saved: tuple[Path, dict[str, torch.Tenso
     assert prefetch_threads() == []
 
 
+def test_no_thread_for_the_hint_changes_nothing(
+    saved: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, s = saved
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def start_or_refuse(self: threading.Thread) -> None:
+        if self.name == "tiercheck-prefetch":  # as when the process is out of threads
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
+    tier = Recording(root)
+    restore_exactly(tier, s)
+    assert refused == ["tiercheck-prefetch"]
+    assert tier.asked == []
+
+
 def test_a_fifo_at_the_shards_name_is_refused_as_before(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
     root, s = saved
     tier = Recording(root)

@@ -393,7 +393,8 @@ PREFETCH_FROM = 64 << 10  # manifest bytes (~300 leaves) below which nothing is 
 def prefetch_bytes(manifest_length: int) -> int:
     """How much of its shard a rank asks ahead while it decodes a manifest of this length:
     nothing for a manifest decoded in a few milliseconds (under `PREFETCH_FROM` bytes), which
-    leaves the disk nothing to hide behind while a helper thread costs ~0.15 ms."""
+    leaves the disk nothing to hide behind, while starting and joining the helper thread cost
+    a 1-leaf restore 0.7 ms (1.08 against 0.41 ms, warm)."""
     if manifest_length < PREFETCH_FROM:
         return 0
     return min(PREFETCH_MAX, max(PREFETCH_MIN, PREFETCH_PER_MANIFEST_BYTE * manifest_length))
@@ -420,10 +421,14 @@ class ShardPrefetch:
         self._thread: threading.Thread | None = None
         if name is None or nbytes <= 0 or not tier.capabilities.prefetch:
             return
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._run, args=(tier, step, name, nbytes), name="tiercheck-prefetch", daemon=True
         )
-        self._thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: the restore reads as it would without the hint
+            return
+        self._thread = thread
 
     def _run(self, tier: Tier, step: int, name: str, nbytes: int) -> None:
         try:
