@@ -248,13 +248,16 @@ class StagingAborted(Exception):
 
 
 class StageProgress:
-    """How much of a host buffer's prefix is already copied. The writer and the checksum
-    helper are queued before the copy starts and wait here for the bytes they need.
+    """How much of a host buffer's prefix is already copied, and whether `save()` let the
+    writer go on. The writer waits here before it does anything with the step (the
+    checksum tasks are queued after that), and `save()` queues it only once the copy ended
+    or failed: the copy runs with no other thread of tiercheck's awake.
 
     The copy reports only its end, not each leaf: a writer or checksum thread woken
     beside the copy's two threads slowed the blocking copy by 10-15% in a training loop
     on two CPU cores (benchmarks, docs/performance.md), more than overlapping the write
-    with the copy gained on time to durable."""
+    with the copy gained on time to durable; a writer woken only to open the step beside
+    the copy still took the GIL from its end (`SaveStager._stage_now`)."""
 
     def __init__(self, held: bool = False) -> None:
         self._cond = threading.Condition()

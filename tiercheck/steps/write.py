@@ -66,7 +66,7 @@ class StagedSave:
     plan: ShardPlan
     buffer: HostBuffer
     handle: SaveHandle
-    progress: StageProgress | None = None  # set when the writer may start before the copy ends
+    progress: StageProgress | None = None  # set when the writer waits for the end of save()
     replicated: tuple[tuple[str, str], ...] = ()  # top-level keys the same on every rank
     # Node-local tier 1: who uploads each replicated key to tier 2 (empty: as on tier 1).
     remote_owners: tuple[tuple[Key, int], ...] = ()
@@ -97,6 +97,9 @@ def write_staged(
     on who holds each replicated key (not on a node-local tier 1, where each directory holds
     its own copies). `reported` runs once this rank's part is published in a job.
     """
+    if job.progress is not None:
+        # Before anything else: the copy's end, and `save()` returned (`StageProgress`).
+        job.progress.wait(job.plan.total_bytes)
     if tier.capabilities.space_check:
         tier.check_space(job.step, job.plan.total_bytes)
     checksum = checksum_function(checksum_algorithm)
@@ -124,8 +127,6 @@ def write_staged(
         view = job.buffer.view(job.plan.total_bytes)
         shard = naming.shard_name(job.rank, job.world_size)
         moved = retarget(manifest_with([""] * len(job.leaves)), owners) if owners else None
-        if job.progress is not None:
-            job.progress.wait(len(view))  # the copy reports only its end (`StageProgress`)
         if moved is None:
             stored = writer.write_file(shard, view, job.buffer.aligned, compress=True)
         else:
@@ -340,8 +341,6 @@ def _batch_checksums(
     offsets = job.plan.offsets
     last = batch[-1]
     end = offsets[last] + job.leaves[last].nbytes
-    if job.progress is not None:
-        job.progress.wait(end)
     view = job.buffer.view(end)
     if not blocked:
         return [checksum(view[offsets[i] : offsets[i] + job.leaves[i].nbytes]) for i in batch], {}
