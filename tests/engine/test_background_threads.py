@@ -98,7 +98,7 @@ def test_writer_and_checksums_start_only_after_the_whole_copy(tmp_path: Path, mo
         total = h.stats.bytes
         h.wait()
         assert advances == [total]
-        assert waited and all(u <= total for u in waited)  # writer and hasher did wait on it
+        assert waited and all(u <= total for u in waited)  # the writer did wait on it
         for v in state.values():
             v.zero_()
         assert ckpt.restore(state) == 1

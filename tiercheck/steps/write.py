@@ -4,8 +4,8 @@ calls (this writer, the uploader, `tiercheck import`, and through `write_manifes
 `commit_parts`, `tiercheck upload`).
 
 The shard is written while a checksum thread (the pipeline's, passed in) hashes each leaf
-of the same buffer; both release the GIL. The step is opened while the copy into the buffer
-may still run (`StageProgress`); the shard is written, and the leaves hashed, once it ends.
+of the same buffer; both release the GIL. The writer is queued once the copy into the
+buffer ended, and opens the step only once `save()` returned (`StageProgress`).
 """
 
 from __future__ import annotations
